@@ -1,0 +1,9 @@
+"""PRISM: prototype language models with exact, native attribution of every logit (arXiv 2607.00510).
+
+    from prism import PrismConfig, PrismForCausalLM, Interventions
+"""
+
+from prism.config import PrismConfig
+from prism.model import Decomposition, GenerationStep, Interventions, PrismForCausalLM, PrismOutput
+
+__all__ = ["Decomposition", "GenerationStep", "Interventions", "PrismConfig", "PrismForCausalLM", "PrismOutput"]

@@ -1,0 +1,669 @@
+"""PRISM model: any transformers causal LM whose prediction is routed through a sparse prototype bank.
+
+Reads top to bottom: interventions (values passed per call), the prototype bank, the outputs, then the wrapper
+model with forward, decompose, generate and checkpoint I/O. The math is PRISM.md section 1:
+
+    sims_t   = cos(z_t, p_i) for all i                       (B, T, K)
+    K_t      = top-k of sims_t,  a_{t,i} = ReLU(sims_t,i)    (B, T, k)
+    z_hat_t  = sum_{i in K_t} a_{t,i} p_i,   r_t = z_t - z_hat_t
+    l_t      = W z_t + b = (W r_t + b) + sum_{i in K_t} a_{t,i} (W p_i)
+
+so the logit of any token splits exactly into a residual slice and one slice per active prototype. An
+intervention changes the activations a (suppress, scale, inject) and therefore z and the logits at that position
+only; the backbone's KV cache is untouched, which is why interventions work inside cached generation.
+
+Usage:
+    from prism import PrismConfig, PrismForCausalLM, Interventions
+    model = PrismForCausalLM.from_backbone(backbone, PrismConfig(n_prototypes=64, top_k=4))
+    out = model(input_ids, labels=input_ids)
+    d = model.decompose(input_ids, position=-1)
+    ids = model.generate(input_ids, max_new_tokens=20, interventions=Interventions(suppress={3}))
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from prism.config import PrismConfig
+from prism.losses import prism_loss
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Interventions: plain values passed with a call, validated against the bank, never stored on the model.
+
+
+@dataclass(frozen=True)
+class Interventions:
+    """Changes to prototype activations for one call (PRISM.md section 3).
+
+    suppress: prototype ids whose activation is set to 0 wherever they are active.
+    scale:    {prototype_id: factor >= 0} multiplies the activation wherever the prototype is active.
+    inject:   {prototype_id: activation >= 0} sets the activation at every position, active there or not.
+    A prototype may appear in only one of the three.
+    """
+
+    suppress: frozenset[int] = field(default_factory=frozenset)
+    scale: dict[int, float] = field(default_factory=dict)
+    inject: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "suppress", frozenset(int(i) for i in self.suppress))
+        object.__setattr__(self, "scale", {int(i): float(s) for i, s in self.scale.items()})
+        object.__setattr__(self, "inject", {int(i): float(a) for i, a in self.inject.items()})
+        for name, values in (("scale factor", self.scale), ("injected activation", self.inject)):
+            for i, v in values.items():
+                if not math.isfinite(v) or v < 0:
+                    raise ValueError(f"{name} for prototype {i} must be finite and >= 0 (activations stay "
+                                     f"non-negative), got {v}")
+        groups = [set(self.suppress), set(self.scale), set(self.inject)]
+        clash = (groups[0] & groups[1]) | (groups[0] & groups[2]) | (groups[1] & groups[2])
+        if clash:
+            raise ValueError(f"prototypes {sorted(clash)} appear in more than one of suppress/scale/inject")
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.suppress or self.scale or self.inject)
+
+    def prototype_ids(self) -> set[int]:
+        return set(self.suppress) | set(self.scale) | set(self.inject)
+
+    def check(self, n_prototypes: int) -> None:
+        bad = sorted(i for i in self.prototype_ids() if not 0 <= i < n_prototypes)
+        if bad:
+            raise ValueError(f"unknown prototype ids {bad}: this model has prototypes 0..{n_prototypes - 1}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The prototype bank.
+
+
+class PrototypeBank(nn.Module):
+    """K free vectors p_i in R^d; their norms are learned, their directions decide activation."""
+
+    def __init__(self, n_prototypes: int, d_model: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_prototypes, d_model) / math.sqrt(d_model))  # (K, d)
+
+    def similarities(self, z: torch.Tensor) -> torch.Tensor:
+        """Cosine similarity of every token state with every prototype. z (..., d) -> (..., K)."""
+        return F.normalize(z, dim=-1) @ F.normalize(self.weight, dim=-1).T
+
+    def activate(self, sims: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the top-k similarities, ReLU them. sims (..., K) -> ids (..., k) long, activations (..., k) >= 0."""
+        values, ids = sims.topk(top_k, dim=-1)  # (..., k)
+        return ids, F.relu(values)
+
+    def reconstruct(self, ids: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
+        """z_hat = sum_j a_j p_{ids_j}. ids, activations (..., k) -> (..., d)."""
+        return torch.einsum("...k,...kd->...d", activations, self.weight[ids])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Outputs.
+
+
+@dataclass
+class PrismOutput(ModelOutput):
+    """loss/losses only when labels are given; cache only when use_cache=True.
+
+    logits (B, T, V) are the intervened logits when interventions are given; prototype_ids/activations are the
+    model's own top-k (before interventions) and residual is r = z - z_hat, which interventions do not change.
+    """
+
+    loss: torch.Tensor | None = None
+    losses: dict[str, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None  # (B, T, V)
+    prototype_ids: torch.Tensor | None = None  # (B, T, k) long
+    activations: torch.Tensor | None = None  # (B, T, k) >= 0
+    residual: torch.Tensor | None = None  # (B, T, d)
+    z: torch.Tensor | None = None  # (B, T, d) final hidden state, the input of the LM head
+    z_hat: torch.Tensor | None = None  # (B, T, d)
+    sims: torch.Tensor | None = None  # (B, T, K), only with return_sims=True
+    cache: object | None = None
+
+
+@dataclass
+class Decomposition:
+    """One token's logit at one position, split exactly: residual + sum(contributions) == logit.
+
+    prototype_ids/activations/contributions are the effective ones (after interventions), ordered by activation;
+    a suppressed prototype does not appear, an injected one does. residual includes the LM head's bias.
+    """
+
+    token_id: int
+    position: int
+    logit: float
+    residual: float
+    prototype_ids: list[int]
+    activations: list[float]
+    contributions: list[float]
+
+
+@dataclass
+class GenerationStep:
+    """What stream() yields per generated token: the tokens (B,) and their prototype state at that position."""
+
+    step: int
+    token_ids: torch.Tensor  # (B,)
+    prototype_ids: torch.Tensor  # (B, k), the model's own top-k before interventions
+    activations: torch.Tensor  # (B, k)
+    logits: torch.Tensor  # (B, V), intervened logits the token was chosen from
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backbone plumbing: the few generic facts PRISM needs from any transformers decoder.
+
+
+class _StopForward(Exception):
+    """Raised by a pre-hook to end a forward pass once the states it wanted are captured."""
+
+
+class _InjectedInput(nn.Module):
+    """Wraps the first layer of a top-layer view and feeds it given states instead of what arrives from below.
+
+    Lives only inside that view (never inside the real backbone), so ordinary forwards are never affected.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.states: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.states is None:
+            raise RuntimeError("top-layer view called without start states")
+        if self.states.shape[:2] != hidden_states.shape[:2]:
+            raise ValueError(f"start states have shape {tuple(self.states.shape)} but the inputs have "
+                             f"(batch, length) {tuple(hidden_states.shape[:2])}")
+        return self.layer(self.states.to(hidden_states.dtype), *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+
+def _decoder_layers(base: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
+    """The backbone's list of decoder blocks: the direct ModuleList child with num_hidden_layers entries."""
+    for name, child in base.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) == n_layers:
+            return name, child
+    raise ValueError(f"cannot find the decoder layer list (a ModuleList of {n_layers} blocks) in "
+                     f"{type(base).__name__}; PRISM supports decoder-only transformers causal LMs")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model.
+
+
+class PrismForCausalLM(nn.Module):
+    """A transformers causal LM backbone plus a prototype bank on its final hidden state."""
+
+    def __init__(self, backbone: PreTrainedModel, config: PrismConfig) -> None:
+        super().__init__()
+        if backbone.get_output_embeddings() is None:
+            raise ValueError(f"{type(backbone).__name__} has no output embeddings (LM head); "
+                             "PRISM needs a causal LM such as LlamaForCausalLM or GPT2LMHeadModel")
+        if getattr(backbone.config, "final_logit_softcapping", None):
+            raise ValueError("backbones with final logit soft-capping are not supported: "
+                             "the capped logits no longer split additively over prototypes")
+        self.config = config
+        self.backbone = backbone
+        self.prototypes = PrototypeBank(config.n_prototypes, self.d_model)
+        self._views: dict[int, nn.Module] = {}  # plain dict: views share the backbone's modules, not registered
+
+    @classmethod
+    def from_backbone(cls, backbone: PreTrainedModel, config: PrismConfig | None = None) -> PrismForCausalLM:
+        """Wrap a transformers causal LM instance. The prototypes start random; prism.train initialises them
+        from real token states (init_prototypes)."""
+        if not isinstance(backbone, PreTrainedModel):
+            raise TypeError(f"backbone must be a transformers PreTrainedModel, got {type(backbone).__name__}")
+        return cls(backbone, config or PrismConfig())
+
+    # -- properties of the backbone -------------------------------------------------------------------------
+
+    @property
+    def d_model(self) -> int:
+        return self.lm_head.in_features
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.backbone.get_output_embeddings()
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.backbone.base_model
+
+    @property
+    def n_layers(self) -> int:
+        return self.backbone.config.num_hidden_layers
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest context the backbone accepts, when its config says."""
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(self.backbone.config, name, None)
+            if value:
+                return int(value)
+        return None
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return _decoder_layers(self.base_model, self.n_layers)[1]
+
+    # -- the backbone's final states ------------------------------------------------------------------------
+
+    def _check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a (batch, length) tensor, got {shape}")
+        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.backbone.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.backbone.config.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one token")
+
+    def final_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        use_cache: bool = False,
+        start_layer: int | None = None,
+        start_states: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, object | None]:
+        """z (B, T, d), the backbone's final hidden state (after its final norm), and its KV cache.
+
+        With start_layer/start_states, the layers below start_layer are skipped and start_states (B, T, d), the
+        input of layer start_layer as returned by states_before_layer, is fed to it instead: training the top
+        layers then costs only the top layers.
+        """
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      cache=cache, use_cache=use_cache)
+        if start_states is None:
+            out = self.base_model(**kwargs)
+            return out.last_hidden_state, getattr(out, "cache", None)
+        if use_cache:
+            raise ValueError("a top-layer view does not keep a KV cache")
+        view = self._top_view(start_layer)
+        first = view.__dict__["_first"]
+        first.states = start_states
+        try:
+            out = view(**kwargs)
+        finally:
+            first.states = None
+        return out.last_hidden_state, None
+
+    @torch.no_grad()
+    def states_before_layer(
+        self, input_ids: torch.Tensor, layer: int, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The hidden states entering decoder layer `layer` (0-based), (B, T, d). Layers from `layer` up are not
+        run. These are what a top-N training run caches once (layer = n_layers - N)."""
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer must be in [0, {self.n_layers}), got {layer}")
+        captured: dict[str, torch.Tensor] = {}
+
+        def grab(module, args, kwargs):
+            captured["states"] = args[0] if args else kwargs["hidden_states"]
+            raise _StopForward
+
+        handle = self.decoder_layers()[layer].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            self.base_model(input_ids=input_ids, attention_mask=attention_mask)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        return captured["states"].detach()
+
+    def _top_view(self, start_layer: int | None) -> nn.Module:
+        """A shallow copy of the base model whose layer list holds only layers start_layer.. (shared modules)."""
+        if start_layer is None or not 0 <= start_layer < self.n_layers:
+            raise ValueError(f"start_layer must be in [0, {self.n_layers}), got {start_layer}")
+        if start_layer not in self._views:
+            base = self.base_model
+            name, layers = _decoder_layers(base, self.n_layers)
+            first = _InjectedInput(layers[start_layer])
+            view = copy.copy(base)
+            view._modules = dict(base._modules)
+            view._modules[name] = nn.ModuleList([first, *layers[start_layer + 1:]])
+            view.__dict__["_first"] = first
+            self._views[start_layer] = view
+        return self._views[start_layer]
+
+    # -- the prototype head ---------------------------------------------------------------------------------
+
+    def head(
+        self, z: torch.Tensor, interventions: Interventions | None = None, return_sims: bool = False
+    ) -> PrismOutput:
+        """Prototype activations, reconstruction and (intervened) logits for final states z (B, T, d)."""
+        sims = self.prototypes.similarities(z)  # (B, T, K)
+        ids, acts = self.prototypes.activate(sims, self.config.top_k)  # (B, T, k) each
+        z_hat = self.prototypes.reconstruct(ids, acts)  # (B, T, d)
+        z_used = z if interventions is None or interventions.is_empty else z + self._delta(ids, acts, interventions)
+        logits = self.lm_head(z_used)  # (B, T, V)
+        return PrismOutput(logits=logits, prototype_ids=ids, activations=acts, residual=z - z_hat, z=z,
+                           z_hat=z_hat, sims=sims if return_sims else None)
+
+    def effective_activations(
+        self, ids: torch.Tensor, acts: torch.Tensor, interventions: Interventions | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activations the logits actually use: (..., k + n_inject) ids and activations, where suppressed
+        entries are 0, scaled ones multiplied, and injected prototypes set (their own top-k entry zeroed)."""
+        if interventions is None or interventions.is_empty:
+            return ids, acts
+        interventions.check(self.config.n_prototypes)
+        new = acts.clone()
+        if interventions.suppress:
+            suppressed = torch.tensor(sorted(interventions.suppress), device=ids.device)
+            new = torch.where(torch.isin(ids, suppressed), torch.zeros_like(new), new)
+        for i, factor in interventions.scale.items():
+            new = torch.where(ids == i, new * factor, new)
+        if not interventions.inject:
+            return ids, new
+        inject_ids = torch.tensor(list(interventions.inject), device=ids.device)  # (n,)
+        inject_acts = torch.tensor(list(interventions.inject.values()), dtype=acts.dtype, device=ids.device)
+        new = torch.where(torch.isin(ids, inject_ids), torch.zeros_like(new), new)
+        lead = ids.shape[:-1]
+        return (torch.cat([ids, inject_ids.expand(*lead, -1)], dim=-1),
+                torch.cat([new, inject_acts.expand(*lead, -1)], dim=-1))
+
+    def _delta(self, ids: torch.Tensor, acts: torch.Tensor, interventions: Interventions) -> torch.Tensor:
+        """z' - z for the given interventions: sum_j (a'_j - a_j) p_j over old and injected entries. (..., d)"""
+        new_ids, new_acts = self.effective_activations(ids, acts, interventions)
+        k = ids.shape[-1]
+        delta = self.prototypes.reconstruct(ids, new_acts[..., :k] - acts)
+        if new_ids.shape[-1] > k:
+            delta = delta + self.prototypes.reconstruct(new_ids[..., k:], new_acts[..., k:])
+        return delta
+
+    # -- forward --------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        interventions: Interventions | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        use_cache: bool = False,
+        start_layer: int | None = None,
+        start_states: torch.Tensor | None = None,
+        return_sims: bool = False,
+    ) -> PrismOutput:
+        """input_ids (B, T) -> PrismOutput. labels (B, T) as input_ids (shifted inside; -100 is ignored)."""
+        self._check_input_ids(input_ids)
+        if interventions is not None:
+            interventions.check(self.config.n_prototypes)
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        z, cache = self.final_states(input_ids, attention_mask, position_ids, cache, use_cache,
+                                     start_layer, start_states)  # (B, T, d)
+        out = self.head(z, interventions, return_sims=return_sims or labels is not None)
+        out.cache = cache
+        if labels is not None:
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, -100)
+            cfg = self.config
+            out.loss, out.losses = prism_loss(out.logits, labels, z, out.z_hat, out.sims,
+                                              cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2)
+            if not return_sims:
+                out.sims = None
+        return out
+
+    # -- decomposition --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decompose(
+        self,
+        input_ids: torch.Tensor,
+        position: int = -1,
+        token_id: int | None = None,
+        interventions: Interventions | None = None,
+    ) -> Decomposition:
+        """Split the logit of token_id at `position` into residual + one contribution per active prototype.
+
+        input_ids (1, T) or (T,); token_id None means the argmax token at that position (after interventions).
+        """
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        self._check_input_ids(input_ids)
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"decompose takes one sequence, got a batch of {input_ids.shape[0]}")
+        length = input_ids.shape[1]
+        if not -length <= position < length:
+            raise ValueError(f"position {position} is outside a sequence of {length} tokens")
+        out = self(input_ids, interventions=interventions)
+        return self.decompose_output(out, position, token_id, interventions)[0]
+
+    def decompose_output(
+        self,
+        out: PrismOutput,
+        position: int,
+        token_ids: int | list[int] | None = None,
+        interventions: Interventions | None = None,
+    ) -> list[Decomposition]:
+        """Decompose several tokens' logits at one position of a forward output (batch row 0) without rerunning
+        the model; token_ids None means the argmax token."""
+        length = out.logits.shape[1]
+        position = position % length
+        logits = out.logits[0, position]  # (V,)
+        if token_ids is None:
+            token_ids = [int(logits.argmax())]
+        elif isinstance(token_ids, int):
+            token_ids = [token_ids]
+        for t in token_ids:
+            if not 0 <= int(t) < logits.shape[0]:
+                raise ValueError(f"token_id {t} is outside the vocabulary of {logits.shape[0]} tokens")
+        ids, acts = self.effective_activations(out.prototype_ids[0, position], out.activations[0, position],
+                                               interventions)  # (k',)
+        keep = acts > 0
+        ids, acts = ids[keep], acts[keep]
+        order = acts.argsort(descending=True)
+        ids, acts = ids[order], acts[order]
+        rows = self.lm_head.weight[torch.tensor([int(t) for t in token_ids])]  # (n, d)
+        bias = self.lm_head.bias
+        signatures = rows @ self.prototypes.weight[ids].T  # (n, k'): (W p_i)[v]
+        contributions = signatures * acts  # (n, k')
+        residual = rows @ out.residual[0, position]  # (n,)
+        if bias is not None:
+            residual = residual + bias[torch.tensor([int(t) for t in token_ids])]
+        return [
+            Decomposition(
+                token_id=int(t), position=position, logit=float(logits[int(t)]), residual=float(residual[n]),
+                prototype_ids=[int(i) for i in ids], activations=[float(a) for a in acts],
+                contributions=[float(c) for c in contributions[n]],
+            )
+            for n, t in enumerate(token_ids)
+        ]
+
+    # -- generation -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def stream(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        interventions: Interventions | None = None,
+        attention_mask: torch.Tensor | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> Iterator[GenerationStep]:
+        """Generate token by token with the backbone's KV cache, yielding each step.
+
+        Interventions change the logits of every generated position; sampling uses a generator seeded per call
+        (seed), never the global RNG, so the same seed gives the same sample with or without interventions
+        wherever the distributions agree. Sequences that produced eos_token_id keep producing it.
+        """
+        self._check_input_ids(input_ids)
+        if interventions is not None:
+            interventions.check(self.config.n_prototypes)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if do_sample and not (temperature > 0 and 0 < top_p <= 1):
+            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        generator = torch.Generator(device=input_ids.device)
+        generator.manual_seed(0 if seed is None else int(seed))
+        batch = input_ids.shape[0]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T), left padding aware
+        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        step_ids, cache = input_ids, None
+        for step in range(max_new_tokens):
+            z, cache = self.final_states(step_ids, attention_mask, position_ids, cache, use_cache=True)
+            out = self.head(z[:, -1:], interventions)
+            logits = out.logits[:, -1].float()  # (B, V)
+            if do_sample:
+                next_ids = _sample(logits, temperature, top_p, generator)
+            else:
+                next_ids = logits.argmax(-1)
+            if eos_token_id is not None:
+                next_ids = torch.where(finished, torch.full_like(next_ids, eos_token_id), next_ids)
+                finished |= next_ids == eos_token_id
+            yield GenerationStep(step=step, token_ids=next_ids, prototype_ids=out.prototype_ids[:, -1],
+                                 activations=out.activations[:, -1], logits=logits)
+            if eos_token_id is not None and bool(finished.all()):
+                return
+            step_ids = next_ids[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
+        """Prompt plus generated tokens, (B, T + n). Takes the arguments of stream()."""
+        new = [step.token_ids[:, None] for step in self.stream(input_ids, max_new_tokens, **kwargs)]
+        return torch.cat([input_ids, *new], dim=1)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
+
+    def backbone_fingerprint(self, exclude: set[str] = frozenset()) -> str:
+        """sha256 over the backbone tensors not in `exclude` (names as in this model's state dict)."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.state_dict().items()):
+            if name.startswith("backbone.") and name not in exclude:
+                digest.update(name.encode())
+                digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    def save_pretrained(self, path: str | Path, trainable_only: bool = False) -> None:
+        """Write config.json and model.safetensors to the folder `path`.
+
+        trainable_only=True writes only the parameters that require grad (e.g. the top layers and the bank) plus
+        a fingerprint of the rest; loading then rebuilds the backbone from config.backbone.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(self.config)
+        if trainable_only:
+            state = {n: t.contiguous().clone() for n, t in self.trainable_state_dict().items()}
+            if config.backbone is None:
+                raise ValueError("trainable_only needs config.backbone (where the frozen backbone comes from)")
+            config.backbone_fingerprint = self.backbone_fingerprint(exclude=set(state))
+            save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            save_model(self, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "weights": "trainable" if trainable_only else "full",
+            "prism": config.to_dict(),
+            "backbone_config": self.backbone.config.to_dict(),
+        }
+        (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, backbone: PreTrainedModel | None = None) -> PrismForCausalLM:
+        """Load a folder written by save_pretrained (safetensors only, no pickle). For a trainable-only
+        checkpoint the backbone is loaded from config.backbone unless given."""
+        path = Path(path)
+        config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+        if not config_file.is_file() or not weights_file.is_file():
+            raise FileNotFoundError(f"{path} is not a PRISM checkpoint: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
+        try:
+            meta = json.loads(config_file.read_text())
+            config = PrismConfig.from_dict(meta["prism"])
+            weights = meta["weights"]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{config_file} is not a valid PRISM config: {err}") from err
+        if weights == "full":
+            if backbone is None:
+                backbone_cfg = dict(meta["backbone_config"])
+                backbone_config = AutoConfig.for_model(backbone_cfg.pop("model_type"), **backbone_cfg)
+                backbone = AutoModelForCausalLM.from_config(backbone_config)
+            model = cls(backbone, config)
+            try:
+                missing, unexpected = load_model(model, str(weights_file), strict=False)
+            except (SafetensorError, RuntimeError, OSError) as err:
+                raise ValueError(f"{weights_file} is corrupt or does not match its config: {err}") from err
+            if missing or unexpected:
+                raise ValueError(f"{weights_file} does not match its config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+            return model
+        if backbone is None:
+            from prism.backbones import load_backbone
+
+            backbone = load_backbone(config.backbone)
+        model = cls(backbone, config)
+        try:
+            state = load_file(str(weights_file))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{weights_file} is corrupt: {err}") from err
+        own = model.state_dict()
+        unexpected = sorted(set(state) - set(own))
+        if unexpected:
+            raise ValueError(f"{weights_file} holds tensors this backbone lacks: {unexpected[:5]}")
+        fingerprint = model.backbone_fingerprint(exclude=set(state))
+        if config.backbone_fingerprint and fingerprint != config.backbone_fingerprint:
+            raise ValueError(f"the backbone {config.backbone!r} differs from the one {path} was trained on "
+                             "(fingerprint mismatch); install the exact backbone version it names")
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}")
+        model.load_state_dict(state, strict=False)
+        return model
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """Nucleus sampling from logits (B, V) -> (B,)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the most likely token
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
