@@ -1,0 +1,27 @@
+"""The benchmark scripts run end to end on a tiny model (their numbers are only meaningful on real ones)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from helpers import tiny_backbone_dir, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_throughput_bench_times_both_models_on_the_same_steps(tmp_path, capsys):
+    bench = _load("train_throughput")
+    result = bench.main(["--backbone", str(tiny_backbone_dir(tmp_path / "bb")), "--corpus",
+                         str(write_corpus(tmp_path / "c")), "--n-layers", "1", "--n-prototypes", "16",
+                         "--top-k", "4", "--seq-len", "32", "--batch-size", "2", "--repeats", "3"])
+    assert result["prism_s_per_step"] > 0 and result["dense_s_per_step"] > 0
+    assert result["throughput_ratio"] == result["dense_s_per_step"] / result["prism_s_per_step"]
+    assert '"throughput_ratio"' in capsys.readouterr().out
