@@ -1,0 +1,105 @@
+"""Job bookkeeping in the database: arguments stored per job, refusal of other arguments, resumable progress.
+
+    con = connect("out.duckdb")
+    state = start_job(con, "labels", {"labeler": "offline"}, overwrite=False)   # "new" | "resume" | "done"
+    ... write rows and set_progress(...) in the same transaction ...
+    finish_job(con, "labels")
+
+A job whose arguments match a finished run is skipped (idempotent); one whose arguments differ is refused with
+JobArgsMismatch unless overwrite=True, which clears that job's tables first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import duckdb
+
+from precompute.schema import JOB_TABLES, create_all
+
+
+class JobArgsMismatch(ValueError):
+    """The database holds this job's output made with other arguments."""
+
+
+def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open (and for writing, initialise) a precompute database. Read-only opening never creates anything."""
+    path = Path(path)
+    if read_only:
+        if not path.is_file():
+            raise FileNotFoundError(f"no database at {path}: build one with python -m precompute build")
+        try:
+            return duckdb.connect(str(path), read_only=True)
+        except duckdb.Error as err:
+            raise ValueError(f"{path} is not a readable DuckDB database: {err}") from err
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = duckdb.connect(str(path))
+    create_all(con)
+    return con
+
+
+def canonical_args(args: dict) -> str:
+    return json.dumps(args, sort_keys=True, default=str)
+
+
+def start_job(con: duckdb.DuckDBPyConnection, job: str, args: dict, overwrite: bool = False) -> str:
+    """Register a run of `job`; returns 'new', 'resume' (same arguments, unfinished) or 'done' (nothing to do)."""
+    if job not in JOB_TABLES:
+        raise ValueError(f"unknown job {job!r}; jobs are {', '.join(JOB_TABLES)}")
+    args_json = canonical_args(args)
+    row = con.execute("SELECT args_json, status FROM runs WHERE job = ?", [job]).fetchone()
+    if row is not None:
+        if row[0] == args_json and not overwrite:
+            return "done" if row[1] == "done" else "resume"
+        if not overwrite:
+            old, new = json.loads(row[0]), json.loads(args_json)
+            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise JobArgsMismatch(f"the database already holds job {job!r} made with other arguments "
+                                  f"({', '.join(diff)}); use --overwrite to replace it")
+        clear_job(con, job)
+    run_id = hashlib.sha256(f"{job}\n{args_json}".encode()).hexdigest()[:16]
+    con.execute("INSERT INTO runs VALUES (?, ?, ?, 'running', ?, NULL)",
+                [job, run_id, args_json, datetime.now(UTC).replace(tzinfo=None)])
+    return "new"
+
+
+def finish_job(con: duckdb.DuckDBPyConnection, job: str) -> None:
+    con.execute("UPDATE runs SET status = 'done', finished_at = ? WHERE job = ?",
+                [datetime.now(UTC).replace(tzinfo=None), job])
+
+
+def clear_job(con: duckdb.DuckDBPyConnection, job: str) -> None:
+    """Delete a job's rows, progress and run record (one transaction)."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for table in JOB_TABLES[job]:
+            con.execute(f"DELETE FROM {table}")  # table names come from the schema module, never from input
+        con.execute("DELETE FROM progress WHERE job = ?", [job])
+        con.execute("DELETE FROM runs WHERE job = ?", [job])
+        con.execute("COMMIT")
+    except Exception:
+        con.execute("ROLLBACK")
+        raise
+
+
+def job_args(con: duckdb.DuckDBPyConnection, job: str) -> dict | None:
+    row = con.execute("SELECT args_json FROM runs WHERE job = ?", [job]).fetchone()
+    return json.loads(row[0]) if row else None
+
+
+def job_done(con: duckdb.DuckDBPyConnection, job: str) -> bool:
+    row = con.execute("SELECT status FROM runs WHERE job = ?", [job]).fetchone()
+    return bool(row and row[0] == "done")
+
+
+def get_progress(con: duckdb.DuckDBPyConnection, job: str, key: str, default: str | None = None) -> str | None:
+    row = con.execute("SELECT value FROM progress WHERE job = ? AND key = ?", [job, key]).fetchone()
+    return row[0] if row else default
+
+
+def set_progress(con: duckdb.DuckDBPyConnection, job: str, key: str, value: str) -> None:
+    """Record progress; call inside the transaction that writes the rows it accounts for."""
+    con.execute("INSERT OR REPLACE INTO progress VALUES (?, ?, ?)", [job, key, value])

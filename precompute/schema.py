@@ -1,0 +1,166 @@
+"""Every table the precompute jobs write and the app reads: names, columns and DDL in one place.
+
+One row per (prototype, example) for evidence, parallel token/activation arrays for contexts, snake_case columns,
+the vocabulary of the library (prototype_id, activation, contribution, ...). Each job owns its tables; the view
+`prototypes` joins what the jobs wrote into the one row a prototype card needs.
+"""
+
+from __future__ import annotations
+
+import duckdb
+
+SCHEMA_VERSION = 1
+
+# job -> the tables it owns (cleared when the job is re-run with --overwrite)
+JOB_TABLES: dict[str, tuple[str, ...]] = {
+    "evidence": ("documents", "evidence", "prototype_stats", "coactivations", "next_tokens", "logit_signatures"),
+    "labels": ("labels",),
+    "search": ("embeddings",),
+    "map": ("prototype_map",),
+}
+JOBS = tuple(JOB_TABLES)
+
+DDL = {
+    # One row per job run: its arguments, so a re-run with other arguments is refused unless --overwrite.
+    "runs": """
+        CREATE TABLE IF NOT EXISTS runs (
+            job VARCHAR PRIMARY KEY,
+            run_id VARCHAR NOT NULL,          -- sha256 of job + args_json
+            args_json VARCHAR NOT NULL,
+            status VARCHAR NOT NULL,          -- running | done
+            created_at TIMESTAMP NOT NULL,
+            finished_at TIMESTAMP
+        )""",
+    # Resumable progress of a job: opaque state keyed by (job, key), written in the same transaction as the rows
+    # it accounts for, so a killed job never loses or repeats work.
+    "progress": """
+        CREATE TABLE IF NOT EXISTS progress (
+            job VARCHAR NOT NULL,
+            key VARCHAR NOT NULL,
+            value VARCHAR NOT NULL,
+            PRIMARY KEY (job, key)
+        )""",
+    "meta": """
+        CREATE TABLE IF NOT EXISTS meta (
+            key VARCHAR PRIMARY KEY,
+            value VARCHAR NOT NULL
+        )""",
+    # Documents the evidence points into. text is NULL in pointer-only mode (shipped databases): it is read
+    # from the installed corpus package at run time and checked against sha256.
+    "documents": """
+        CREATE TABLE IF NOT EXISTS documents (
+            doc_id VARCHAR PRIMARY KEY,
+            source VARCHAR NOT NULL,          -- wiki | news | kjv | fineweb | local | ...
+            url VARCHAR,
+            title VARCHAR,
+            text VARCHAR,
+            sha256 VARCHAR NOT NULL,
+            n_chars INTEGER NOT NULL,
+            n_tokens INTEGER NOT NULL
+        )""",
+    # Top-N activating token positions per prototype. The model's input sequence was the document's tokens
+    # [seq_token_start, seq_token_end); token_position indexes the document's tokens.
+    "evidence": """
+        CREATE TABLE IF NOT EXISTS evidence (
+            prototype_id INTEGER NOT NULL,
+            rank INTEGER NOT NULL,            -- 0 = highest activation
+            doc_id VARCHAR NOT NULL,
+            token_position INTEGER NOT NULL,
+            seq_token_start INTEGER NOT NULL,
+            seq_token_end INTEGER NOT NULL,
+            char_start INTEGER NOT NULL,      -- the token's characters in the document text
+            char_end INTEGER NOT NULL,
+            activation DOUBLE NOT NULL,
+            token_id INTEGER NOT NULL,
+            token VARCHAR NOT NULL,
+            next_token_id INTEGER,            -- the document's next token (NULL at the end of the document)
+            context_start INTEGER NOT NULL,   -- token position of the first context token
+            context_tokens VARCHAR[] NOT NULL,      -- token texts; empty in pointer-only databases
+            context_activations DOUBLE[] NOT NULL,  -- this prototype's activation at each context token
+            context_char_starts INTEGER[] NOT NULL, -- each context token's characters in the document text
+            context_char_ends INTEGER[] NOT NULL,
+            PRIMARY KEY (prototype_id, rank)
+        )""",
+    "prototype_stats": """
+        CREATE TABLE IF NOT EXISTS prototype_stats (
+            prototype_id INTEGER PRIMARY KEY,
+            activation_count BIGINT NOT NULL, -- tokens where the prototype is active (in the top-k, a > 0)
+            mean_activation DOUBLE,           -- over those tokens
+            max_activation DOUBLE,
+            hist_edges DOUBLE[] NOT NULL,
+            hist_counts BIGINT[] NOT NULL
+        )""",
+    "coactivations": """
+        CREATE TABLE IF NOT EXISTS coactivations (
+            prototype_id INTEGER NOT NULL,
+            other_id INTEGER NOT NULL,
+            count BIGINT NOT NULL,            -- tokens where both are active
+            rank INTEGER NOT NULL,
+            PRIMARY KEY (prototype_id, rank)
+        )""",
+    "next_tokens": """
+        CREATE TABLE IF NOT EXISTS next_tokens (
+            prototype_id INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            token_id INTEGER NOT NULL,
+            token VARCHAR NOT NULL,
+            count INTEGER NOT NULL,           -- how often it follows the prototype's evidence tokens
+            PRIMARY KEY (prototype_id, rank)
+        )""",
+    "logit_signatures": """
+        CREATE TABLE IF NOT EXISTS logit_signatures (
+            prototype_id INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            token_id INTEGER NOT NULL,
+            token VARCHAR NOT NULL,
+            value DOUBLE NOT NULL,            -- (W p_i)[token]
+            PRIMARY KEY (prototype_id, rank)
+        )""",
+    "labels": """
+        CREATE TABLE IF NOT EXISTS labels (
+            prototype_id INTEGER PRIMARY KEY,
+            category VARCHAR NOT NULL,        -- one of CATEGORIES
+            label VARCHAR NOT NULL,           -- short specific role
+            label_score DOUBLE,               -- how well the label separates held-out evidence from random (AUROC)
+            labeler VARCHAR NOT NULL,
+            explanation VARCHAR
+        )""",
+    "embeddings": """
+        CREATE TABLE IF NOT EXISTS embeddings (
+            kind VARCHAR NOT NULL,            -- label | evidence
+            prototype_id INTEGER NOT NULL,
+            item INTEGER NOT NULL,            -- 0 for labels, evidence rank for evidence
+            vector FLOAT[] NOT NULL,          -- L2-normalised
+            PRIMARY KEY (kind, prototype_id, item)
+        )""",
+    "prototype_map": """
+        CREATE TABLE IF NOT EXISTS prototype_map (
+            prototype_id INTEGER PRIMARY KEY,
+            x DOUBLE NOT NULL,
+            y DOUBLE NOT NULL,
+            method VARCHAR NOT NULL
+        )""",
+}
+
+# The categories of the brief (PRISM.md section 2), in the paper's order.
+CATEGORIES = (
+    "morphology", "grammatical scaffolding", "medical/bio", "institutional", "numbers/time", "science/tech",
+    "named entities", "social", "boilerplate", "environment", "urls", "finance", "misc",
+)
+
+PROTOTYPES_VIEW = """
+    CREATE OR REPLACE VIEW prototypes AS
+    SELECT s.prototype_id, l.label, l.category, l.label_score, s.activation_count, s.mean_activation,
+           s.max_activation, m.x, m.y, s.hist_edges, s.hist_counts
+    FROM prototype_stats s
+    LEFT JOIN labels l USING (prototype_id)
+    LEFT JOIN prototype_map m USING (prototype_id)
+"""
+
+
+def create_all(con: duckdb.DuckDBPyConnection) -> None:
+    """Create every table (if missing) and the prototypes view."""
+    for ddl in DDL.values():
+        con.execute(ddl)
+    con.execute(PROTOTYPES_VIEW)
+    con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
