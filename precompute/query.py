@@ -1,0 +1,153 @@
+"""The query layer the app reads through: prototype cards, evidence with highlighted tokens, listings, map points.
+
+    con = open_db("out.duckdb")                     # read-only
+    card = prototype_card(con, 42)                  # label, category, stats, histogram, signature, neighbours
+    rows = evidence(con, 42, limit=8)               # snippets with the token highlighted, source shown
+    table = prototype_table(con, category="numbers/time", order_by="label_score")
+
+Parameterised SQL only. A pointer-only database (no document text) gets its text from the installed corpus
+packages, checked against the stored sha256; a mismatch is reported in the row instead of showing wrong text.
+"""
+
+from __future__ import annotations
+
+import html
+from functools import lru_cache
+from pathlib import Path
+
+import duckdb
+
+from precompute.runs import connect
+
+ORDERINGS = {"activation_count": "activation_count DESC NULLS LAST", "label_score": "label_score DESC NULLS LAST",
+             "max_activation": "max_activation DESC NULLS LAST", "prototype_id": "prototype_id"}
+
+
+class UnknownPrototype(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def open_db(path: str | Path) -> duckdb.DuckDBPyConnection:
+    """Open a precompute database read-only, with clear errors for a missing or corrupt file."""
+    con = connect(path, read_only=True)
+    try:
+        con.execute("SELECT count(*) FROM prototype_stats").fetchone()
+    except duckdb.Error as err:
+        con.close()
+        raise ValueError(f"{path} is not a PRISM precompute database (no evidence tables): {err}") from err
+    return con
+
+
+def n_prototypes(con: duckdb.DuckDBPyConnection) -> int:
+    return con.execute("SELECT count(*) FROM prototype_stats").fetchone()[0]
+
+
+def _check_id(con: duckdb.DuckDBPyConnection, prototype_id) -> int:
+    try:
+        pid = int(prototype_id)
+    except (TypeError, ValueError):
+        raise UnknownPrototype(f"prototype id must be an integer, got {prototype_id!r}") from None
+    if con.execute("SELECT 1 FROM prototype_stats WHERE prototype_id = ?", [pid]).fetchone() is None:
+        raise UnknownPrototype(f"no prototype {pid}: ids run from 0 to {n_prototypes(con) - 1}")
+    return pid
+
+
+def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
+    """Everything a prototype card shows except the evidence snippets (see evidence())."""
+    pid = _check_id(con, prototype_id)
+    cols = ["prototype_id", "label", "category", "label_score", "activation_count", "mean_activation",
+            "max_activation", "x", "y", "hist_edges", "hist_counts"]
+    row = con.execute(f"SELECT {', '.join(cols)} FROM prototypes WHERE prototype_id = ?", [pid]).fetchone()
+    card = dict(zip(cols, row))
+    card["signature"] = _rows(con, "SELECT token_id, token, value FROM logit_signatures WHERE prototype_id = ? "
+                                   "ORDER BY rank", [pid])
+    card["next_tokens"] = _rows(con, "SELECT token_id, token, count FROM next_tokens WHERE prototype_id = ? "
+                                     "ORDER BY rank", [pid])
+    card["coactive"] = _rows(con, "SELECT c.other_id AS prototype_id, c.count, l.label, l.category "
+                                  "FROM coactivations c LEFT JOIN labels l ON l.prototype_id = c.other_id "
+                                  "WHERE c.prototype_id = ? ORDER BY c.rank", [pid])
+    return card
+
+
+def evidence(con: duckdb.DuckDBPyConnection, prototype_id, limit: int = 10, offset: int = 0) -> list[dict]:
+    """The prototype's top evidence rows, each with its context as segments and as HTML with the token marked."""
+    pid = _check_id(con, prototype_id)
+    rows = _rows(con, """
+        SELECT e.rank, e.doc_id, e.token_position, e.char_start, e.char_end, e.activation, e.token,
+               e.context_tokens, e.context_activations, e.context_char_starts, e.context_char_ends,
+               d.source, d.url, d.title, d.text, d.sha256
+        FROM evidence e JOIN documents d USING (doc_id)
+        WHERE e.prototype_id = ? ORDER BY e.rank LIMIT ? OFFSET ?""", [pid, int(limit), int(offset)])
+    for row in rows:
+        text, error = row.pop("text"), None
+        if text is None:  # pointer-only database
+            try:
+                text = _resolve_text(row["doc_id"], row["sha256"])
+            except (KeyError, ValueError, ImportError) as err:
+                error = str(err)
+        row["error"] = error
+        row["segments"] = [] if text is None else _segments(text, row)
+        if text is not None and not row["token"]:
+            row["token"] = text[row["char_start"]: row["char_end"]]
+        row["html"] = segments_html(row["segments"]) if error is None else html.escape(error)
+    return rows
+
+
+def _segments(text: str, row: dict) -> list[dict]:
+    """The context as consecutive pieces of the document text: each token with its activation, gaps between
+    tokens as plain text, the evidence token flagged."""
+    pieces, cursor = [], None
+    for a, b, act in zip(row["context_char_starts"], row["context_char_ends"], row["context_activations"]):
+        if cursor is not None and a > cursor:
+            pieces.append({"text": text[cursor:a], "activation": 0.0, "target": False})
+        pieces.append({"text": text[a:b], "activation": float(act),
+                       "target": a == row["char_start"] and b == row["char_end"]})
+        cursor = b
+    return pieces
+
+
+def segments_html(segments: list[dict]) -> str:
+    """Escaped HTML: tokens shaded by activation, the evidence token outlined."""
+    out = []
+    for s in segments:
+        alpha = max(0.0, min(1.0, s["activation"]))
+        style = f"background: rgba(255, 140, 0, {alpha:.2f});"
+        if s["target"]:
+            style += " outline: 2px solid #c0392b; font-weight: 600;"
+        out.append(f'<span style="{style}" title="{s["activation"]:.3f}">{html.escape(s["text"])}</span>')
+    return "".join(out)
+
+
+@lru_cache(maxsize=4096)
+def _resolve_text(doc_id: str, sha256: str) -> str:
+    from precompute.corpus import check_text
+
+    return check_text(doc_id, sha256)
+
+
+def categories(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    return _rows(con, "SELECT coalesce(category, 'unlabelled') AS category, count(*) AS n FROM prototypes "
+                      "GROUP BY 1 ORDER BY n DESC, category")
+
+
+def prototype_table(con: duckdb.DuckDBPyConnection, category: str | None = None,
+                    order_by: str = "activation_count", limit: int = 10_000) -> list[dict]:
+    """Rows for the browser table: id, label, category, score and activation statistics."""
+    if order_by not in ORDERINGS:
+        raise ValueError(f"order_by must be one of {', '.join(ORDERINGS)}, got {order_by!r}")
+    where, params = ("WHERE category = ?", [category]) if category else ("", [])
+    return _rows(con, f"""
+        SELECT prototype_id, label, category, label_score, activation_count, mean_activation, max_activation
+        FROM prototypes {where} ORDER BY {ORDERINGS[order_by]}, prototype_id LIMIT ?""", [*params, int(limit)])
+
+
+def map_points(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    return _rows(con, "SELECT prototype_id, x, y, label, category, activation_count FROM prototypes "
+                      "WHERE x IS NOT NULL ORDER BY prototype_id")
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> list[dict]:
+    cur = con.execute(sql, params or [])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r)) for r in cur.fetchall()]
