@@ -1,0 +1,206 @@
+"""The search job and the app's search queries: label and evidence embeddings in DuckDB, cosine similarity in SQL.
+
+The job writes into `embeddings` one L2-normalised vector per prototype label (kind 'label', item 0, the text
+"category: label") and one per evidence context (kind 'evidence', item = evidence rank, the same context window
+the labels job scores with). Like the labels job it is resumable: prototypes in id order, each chunk's rows and
+progress in one transaction; its arguments (embedding model, the labels and evidence runs it read) are stored.
+
+The queries run on a read-only connection; the query vector is a bound parameter and DuckDB computes the cosine
+similarities (list_cosine_similarity), so nothing but the top k rows leaves the database.
+
+    python -m precompute.search --db out.duckdb                                   # the job
+    python -m precompute.search --db out.duckdb --query "dates of battles"        # semantic search over labels
+    python -m precompute.search --db out.duckdb --query "a hospital" --kind evidence
+    python -m precompute.search --db out.duckdb --label year                      # substring search over labels
+
+    from precompute.search import semantic_search, label_search
+    semantic_search(con, "years", k=20, kind="label")   # [{prototype_id, score, label, category, item}, ...]
+    label_search(con, "suffix", k=50)                   # [{prototype_id, label, category, label_score}, ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from precompute.embed import EMBED_MODEL, embed
+from precompute.labels import (
+    WINDOW_AFTER,
+    WINDOW_BEFORE,
+    job_run_id,
+    load_cards,
+    remaining_prototypes,
+    write_chunk,
+)
+from precompute.runs import JobArgsMismatch, connect, finish_job, job_done, start_job
+
+logger = logging.getLogger("precompute.search")
+
+JOB = "search"
+KINDS = ("label", "evidence")
+_CHUNK_VIEW = "search_chunk"  # the Arrow table of one chunk, registered while it is inserted
+
+
+def label_text(category: str, label: str) -> str:
+    """What is embedded for a label (kind 'label')."""
+    return f"{category}: {label}"
+
+
+def _arrow_rows(kinds: list[str], prototype_ids: list[int], items: list[int], vectors: np.ndarray) -> pa.Table:
+    n, d = vectors.shape  # (N, D)
+    offsets = pa.array(np.arange(0, n * d + 1, d, dtype=np.int32))
+    values = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).ravel(), type=pa.float32())
+    return pa.table({"kind": pa.array(kinds, pa.string()), "prototype_id": pa.array(prototype_ids, pa.int32()),
+                     "item": pa.array(items, pa.int32()), "vector": pa.ListArray.from_arrays(offsets, values)})
+
+
+def run(con: duckdb.DuckDBPyConnection, overwrite: bool = False, batch_size: int = 64) -> int:
+    """Embed every prototype's label and evidence contexts into `embeddings`; returns the rows written now."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not job_done(con, "labels"):
+        raise RuntimeError("the labels job has not finished in this database: run it first")
+    args = {"embed_model": EMBED_MODEL, "label_text": label_text("{category}", "{label}"),
+            "window": [WINDOW_BEFORE, WINDOW_AFTER], "labels_run": job_run_id(con, "labels"),
+            "evidence_run": job_run_id(con, "evidence")}
+    state = start_job(con, JOB, args, overwrite)
+    if state == "done":
+        logger.info("search: already done with these arguments")
+        return 0
+    todo = remaining_prototypes(con, JOB)
+    logger.info("search: %s run, %d prototypes to embed", state, len(todo))
+    written = 0
+    with tqdm(total=len(todo), desc="search", unit="prototype") as bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            labels = {pid: label_text(category, label) for pid, category, label in con.execute(
+                "SELECT prototype_id, category, label FROM labels WHERE prototype_id BETWEEN ? AND ? "
+                "ORDER BY prototype_id", [chunk[0], chunk[-1]]).fetchall()}
+            rows: list[tuple[str, int, int, str]] = []  # (kind, prototype_id, item, text)
+            for card in load_cards(con, chunk):
+                if card.prototype_id in labels:
+                    rows.append(("label", card.prototype_id, 0, labels[card.prototype_id]))
+                rows += [("evidence", card.prototype_id, e.rank, e.window()) for e in card.evidence]
+            table = None
+            if rows:
+                kinds, ids, items, texts = (list(column) for column in zip(*rows, strict=True))
+                table = _arrow_rows(kinds, ids, items, embed(texts))
+
+            def write(table=table, chunk=chunk) -> None:
+                con.execute("DELETE FROM embeddings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+                if table is not None:
+                    con.register(_CHUNK_VIEW, table)
+                    try:
+                        con.execute(f"INSERT INTO embeddings SELECT kind, prototype_id, item, vector "
+                                    f"FROM {_CHUNK_VIEW}")
+                    finally:
+                        con.unregister(_CHUNK_VIEW)
+
+            write_chunk(con, JOB, write, str(chunk[-1]))
+            written += len(rows)
+            bar.update(len(chunk))
+            logger.info("search: committed prototypes %d-%d (%d/%d)", chunk[0], chunk[-1], start + len(chunk),
+                        len(todo))
+    finish_job(con, JOB)
+    return written
+
+
+def semantic_search(con: duckdb.DuckDBPyConnection, query: str, k: int = 20, kind: str = "label") -> list[dict]:
+    """The k prototypes whose label (kind='label') or best evidence context (kind='evidence') is closest to
+    the query. Each: {prototype_id, score (cosine), label, category, item (the best evidence rank; 0 for labels)}.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    vector = [float(v) for v in embed([str(query)], progress=False)[0]]
+    # one row per prototype: its best-scoring item (ties: the lowest item), ranked by that score
+    cur = con.execute("""
+        WITH scored AS (
+            SELECT prototype_id, item, list_cosine_similarity(vector, ?::FLOAT[]) AS score
+            FROM embeddings WHERE kind = ?),
+        best AS (
+            SELECT prototype_id, item, score,
+                   row_number() OVER (PARTITION BY prototype_id ORDER BY score DESC, item) AS r
+            FROM scored)
+        SELECT b.prototype_id, b.score, l.label, l.category, b.item
+        FROM best b LEFT JOIN labels l USING (prototype_id)
+        WHERE b.r = 1
+        ORDER BY b.score DESC, b.prototype_id
+        LIMIT ?""", [vector, kind, k])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def label_search(con: duckdb.DuckDBPyConnection, text: str, k: int = 50) -> list[dict]:
+    """Prototypes whose label or category contains `text` (case-insensitive, taken literally: no wildcards).
+    Exact matches first, then by label_score. Each: {prototype_id, label, category, label_score}."""
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    needle = str(text).lower()
+    cur = con.execute("""
+        SELECT prototype_id, label, category, label_score
+        FROM labels
+        WHERE contains(lower(label), ?) OR contains(lower(category), ?)
+        ORDER BY (lower(label) = ? OR lower(category) = ?) DESC, label_score DESC NULLS LAST, prototype_id
+        LIMIT ?""", [needle, needle, needle, needle, k])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m precompute.search", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--db", required=True, help="the precompute DuckDB file (labels job done)")
+    # the job
+    parser.add_argument("--batch-size", type=int, default=64, help="prototypes per transaction")
+    parser.add_argument("--overwrite", action="store_true", help="replace embeddings made with other arguments")
+    # queries (read-only; the job is not run when one is given)
+    parser.add_argument("--query", help="semantic search: show the prototypes closest to this text")
+    parser.add_argument("--kind", choices=KINDS, default="label", help="semantic search over labels or evidence")
+    parser.add_argument("--label", help="substring search over labels and categories")
+    parser.add_argument("-k", type=int, default=20, help="how many results")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int | list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.query is not None or args.label is not None:
+            con = connect(args.db, read_only=True)
+            try:
+                if args.query is not None:
+                    results = semantic_search(con, args.query, k=args.k, kind=args.kind)
+                else:
+                    results = label_search(con, args.label, k=args.k)
+            finally:
+                con.close()
+            for r in results:
+                score = f"{r['score']:+.3f}" if "score" in r else f"{r['label_score'] or 0:.3f}"
+                print(f"{r['prototype_id']:>6}  {score}  {r['category']}: {r['label']}")  # noqa: T201
+            return results
+        if not Path(args.db).is_file():
+            raise FileNotFoundError(f"no database at {args.db}: run the evidence and labels jobs first")
+        con = connect(args.db)
+        try:
+            written = run(con, overwrite=args.overwrite, batch_size=args.batch_size)
+        finally:
+            con.close()
+    except (JobArgsMismatch, RuntimeError, ValueError, FileNotFoundError, duckdb.Error) as err:
+        parser.error(str(err))
+    print(f"search: wrote {written} embeddings")  # noqa: T201 - the command's output
+    return written
+
+
+if __name__ == "__main__":
+    main()
