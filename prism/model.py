@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
+# Above this many (token, prototype) pairs, reconstruction gathers the k active rows instead of building a dense
+# (tokens, K) activation matrix (64M floats = 256 MB).
+DENSE_RECONSTRUCT_LIMIT = 1 << 26
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,6 +119,12 @@ class PrototypeBank(nn.Module):
 
     def reconstruct(self, ids: torch.Tensor, activations: torch.Tensor) -> torch.Tensor:
         """z_hat = sum_j a_j p_{ids_j}. ids, activations (..., k) -> (..., d)."""
+        n_tokens, n_prototypes = ids[..., 0].numel(), self.weight.shape[0]
+        if n_tokens * n_prototypes <= DENSE_RECONSTRUCT_LIMIT:
+            # Scatter into a dense (..., K) activation matrix and multiply: on CPU this is several times faster
+            # than gathering (..., k, d) rows, whose backward is a serial scatter-add into the bank.
+            dense = torch.zeros(*ids.shape[:-1], n_prototypes, dtype=activations.dtype, device=ids.device)
+            return dense.scatter_add(-1, ids, activations) @ self.weight
         return torch.einsum("...k,...kd->...d", activations, self.weight[ids])
 
 

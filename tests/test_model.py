@@ -315,3 +315,20 @@ def test_loss_terms_are_returned_with_labels():
     torch.testing.assert_close(out.loss, expected)
     out.loss.backward()
     assert model.prototypes.weight.grad is not None and model.prototypes.weight.grad.abs().sum() > 0
+
+
+def test_dense_and_gathered_reconstruction_agree_in_value_and_gradient(monkeypatch):
+    import prism.model as model_module
+
+    model = tiny_prism("llama", n_prototypes=16, top_k=4)
+    z = torch.randn(2, 5, 32)
+    results = []
+    for limit in (1 << 26, 0):  # dense path, then the gathered path
+        monkeypatch.setattr(model_module, "DENSE_RECONSTRUCT_LIMIT", limit)
+        model.zero_grad()
+        ids, acts = model.prototypes.activate(model.prototypes.similarities(z), 4)
+        z_hat = model.prototypes.reconstruct(ids, acts)
+        z_hat.pow(2).sum().backward()
+        results.append((z_hat.detach(), model.prototypes.weight.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
