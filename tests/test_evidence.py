@@ -226,3 +226,25 @@ def test_full_build_fills_every_column_a_card_needs(setup, tmp_path):
     assert hits and hits[0]["prototype_id"] == rows[0][0]
     con.close()
     assert precompute_main(argv) == {"evidence": None, "labels": 0, "search": 0, "map": 0}  # all done: no-op
+
+
+def test_pointer_only_database_reads_text_back_from_the_installed_corpus(setup, tmp_path):
+    db, shipped = tmp_path / "default.duckdb", tmp_path / "shipped.duckdb"
+    precompute_main(["build", "--model", setup["model"], "--corpus", "default", "--db", str(db), "--jobs",
+                     "evidence", "--top-n", "2", "--seq-len", "64", "--limit", "4"])
+    precompute_main(["strip-text", "--db", str(db), "--out", str(shipped)])
+    full, stripped = open_db(db), open_db(shipped)
+    for pid in range(K):
+        a, b = evidence(full, pid, limit=2), evidence(stripped, pid, limit=2)
+        assert [r["error"] for r in b] == [None] * len(b)
+        assert [(r["token"], r["segments"]) for r in a] == [(r["token"], r["segments"]) for r in b]
+    full.close()
+    stripped.close()
+    con = duckdb.connect(str(shipped))
+    con.execute("UPDATE documents SET sha256 = repeat('0', 64)")
+    con.close()
+    from precompute import query
+
+    query._resolve_text.cache_clear()
+    rows = evidence(open_db(shipped), 0, limit=1)
+    assert rows and "sha256" in rows[0]["error"] and rows[0]["segments"] == []
