@@ -1,0 +1,53 @@
+"""PRISM studio: the Gradio app. Generate text, see every token's logit split into prototype slices, read the
+evidence behind each prototype, suppress or scale prototypes and compare the texts side by side.
+
+    python app.py                                   # the shipped default model and database (assets/)
+    python app.py --model runs/m --db out.duckdb    # your own; --db is optional (no evidence without it)
+    python app.py --host 0.0.0.0 --port 7860 --share
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # never phone home
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=None, help="a PRISM model folder (default: the shipped assets/model)")
+    parser.add_argument("--db", default=None, help="its precompute DuckDB file (default: the shipped assets/*.duckdb "
+                                                   "when the default model is used)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a Space or a LAN)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    parser.add_argument("--concurrency", type=int, default=2, help="generations running at once (they share the CPU)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.assets import MissingModel, resolve_db, resolve_model
+
+    try:
+        model = resolve_model(args.model)
+    except MissingModel as err:
+        sys.exit(f"app.py: {err}")
+    from app.core import Studio
+    from app.ui import build_demo, launch
+
+    try:
+        studio = Studio.load(model, resolve_db(args.db, model_given=args.model is not None))
+    except (OSError, ValueError) as err:
+        sys.exit(f"app.py: cannot load the model at {model}: {err}")
+    launch(build_demo(studio, args.concurrency), host=args.host, port=args.port, share=args.share,
+           concurrency=args.concurrency)
+
+
+if __name__ == "__main__":
+    main()

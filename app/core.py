@@ -1,0 +1,503 @@
+"""The app's logic without any UI: generation with per-token decomposition, side-by-side diffs, "which prototypes
+changed this token", cards, evidence and search. The Gradio layer (app/ui.py) only formats what this returns.
+
+    studio = Studio.load("runs/m", db="out.duckdb")      # model and database shared read-only by all users
+    settings = GenerationSettings("The river flows into the", max_new_tokens=20)
+    for gen in studio.stream(settings, Interventions()):  # the growing Generation, one token at a time
+        ...
+    view = studio.token_view(gen, index=3)                # decomposition of token 3 and its top alternatives
+    diff = side_by_side(original, intervened)             # per-token status, first divergence
+    why = studio.why_changed(original, intervened, diff.first_change)
+
+Cost: generation runs model.stream() and keeps per step only what it already returns (token, the effective
+prototype ids and activations, the chosen logit). A token's full decomposition needs the residual, which
+stream() does not yield, so the final states z of the whole text are computed by one forward pass the first time
+a token of that generation is selected and kept with the generation (bench/app_latency.py measures both).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import torch
+
+from precompute import query
+from precompute.query import UnknownPrototype
+from prism import Interventions, PrismForCausalLM
+from prism.backbones import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+UNLABELLED = "unlabelled"
+MAX_QUERY_CHARS = 200
+BUILD_HINT = ("No precompute database is loaded, so there are no labels, categories or evidence. Build one with "
+              "`python -m precompute build --model MODEL --corpus CORPUS --db out.duckdb` and start the app with "
+              "`--db out.duckdb`.")
+
+
+class AppError(ValueError):
+    """A user-facing problem (bad input, no database, unknown prototype): the message is shown as is."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Values: settings, one generation, one token's view.
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    prompt: str
+    max_new_tokens: int = 24
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def do_sample(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass
+class Step:
+    """One generated token and the prototypes that produced it (effective, after interventions)."""
+
+    token_id: int
+    text: str
+    prototype_ids: list[int]  # ordered by activation, only those > 0
+    activations: list[float]
+    logit: float  # the logit of the token in the distribution it was chosen from
+
+
+@dataclass
+class Generation:
+    settings: GenerationSettings
+    interventions: Interventions
+    prompt_ids: list[int]
+    prompt_text: str
+    steps: list[Step] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. the prompt was truncated
+    z: torch.Tensor | None = None  # (T, d) final states of prompt + tokens[:-1], computed on first selection
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.steps]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.steps)
+
+    def input_ids(self, upto: int | None = None) -> torch.Tensor:
+        """prompt + generated tokens [:upto], (1, T)."""
+        return torch.tensor([self.prompt_ids + self.token_ids[:upto]])
+
+
+@dataclass
+class Slice:
+    prototype_id: int
+    label: str
+    category: str
+    activation: float
+    contribution: float
+
+
+@dataclass
+class TokenDecomposition:
+    """A token's logit as residual + one slice per active prototype; total is their exact sum."""
+
+    token_id: int
+    token: str
+    logit: float  # the model's logit (the forward pass of the whole text)
+    residual: float
+    slices: list[Slice]
+
+    @property
+    def total(self) -> float:
+        return self.residual + sum(s.contribution for s in self.slices)
+
+    def as_dict(self) -> dict:
+        return {"token_id": self.token_id, "token": self.token, "logit": self.logit, "residual": self.residual,
+                "sum": self.total, "slices": [s.__dict__ for s in self.slices]}
+
+
+@dataclass
+class TokenView:
+    index: int  # generated-token index
+    position: int  # sequence position whose logits chose the token
+    chosen: TokenDecomposition
+    alternatives: list[TokenDecomposition]  # the top tokens at that position, chosen one included, by logit
+    stream_logit: float  # the logit stream() chose the token from (KV-cached; equal up to float noise)
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "position": self.position, "stream_logit": self.stream_logit,
+                "chosen": self.chosen.as_dict(), "alternatives": [a.as_dict() for a in self.alternatives]}
+
+
+@dataclass
+class Diff:
+    """Token-by-token comparison of two continuations of the same prompt and seed."""
+
+    status: list[str]  # per intervened token: same | first change | changed | after change
+    first_change: int | None  # index of the first differing token
+
+    def changed(self, index: int) -> bool:
+        return self.status[index] in ("first change", "changed")
+
+
+@dataclass
+class WhyChanged:
+    """Why the intervened text has token `new` where `reference` would have been written."""
+
+    index: int
+    new_token: str
+    reference_token: str | None  # None: the intervention did not change this token directly
+    message: str
+    effects: list[dict]  # per intervened prototype active here: id, label, effect on logit(new) - logit(ref)
+    flip_set: list[int]  # the smallest leading set of effects whose intervention alone flips the greedy choice
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shared database: one read-only connection, a cursor per call (DuckDB connections are not thread-safe).
+
+
+class Database:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._con = query.open_db(self.path)  # FileNotFoundError / ValueError with a clear message
+        self._lock = threading.Lock()
+        self.labels: dict[int, tuple[str, str]] = {
+            int(r["prototype_id"]): (r["label"] or "", r["category"] or UNLABELLED)
+            for r in self.run(query.prototype_table)}
+        self.categories = [r["category"] for r in self.run(query.categories)]
+        self.has_embeddings = self.run(lambda c: c.execute("SELECT count(*) FROM embeddings").fetchone()[0]) > 0
+
+    def run(self, fn, *args, **kwargs):
+        with self._lock:
+            cursor = self._con.cursor()
+        try:
+            return fn(cursor, *args, **kwargs)
+        finally:
+            cursor.close()
+
+    def close(self) -> None:
+        self._con.close()
+
+
+def _clean_query(text: str) -> str:
+    """A search string as the database sees it: printable characters only, at most MAX_QUERY_CHARS."""
+    text = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()
+    if not text:
+        raise AppError("type something to search for")
+    return text[:MAX_QUERY_CHARS]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The studio: model, tokenizer and database, shared read-only by every user.
+
+
+class Studio:
+    def __init__(self, model: PrismForCausalLM, tokenizer, db: Database | None = None,
+                 db_error: str | None = None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.db = db
+        self.db_error = db_error
+        self.n_prototypes = model.config.n_prototypes
+        if db is not None and len(db.labels) != self.n_prototypes:
+            self.db_error = (f"{db.path} describes {len(db.labels)} prototypes but the model has "
+                             f"{self.n_prototypes}: it was built for another model, so it is not used")
+            logger.warning(self.db_error)
+            db.close()
+            self.db = None
+
+    @classmethod
+    def load(cls, model_path: str | Path, db: str | Path | None = None) -> Studio:
+        model = PrismForCausalLM.from_pretrained(model_path).eval()
+        tokenizer = load_tokenizer(str(model_path))
+        database, error = None, None
+        if db is not None:
+            try:
+                database = Database(db)
+            except (FileNotFoundError, ValueError, duckdb.Error) as err:
+                error = f"the database could not be opened ({err}); running without it"
+                logger.warning(error)
+        return cls(model, tokenizer, database, error)
+
+    # -- labels -----------------------------------------------------------------------------------------------
+
+    def label(self, prototype_id: int) -> tuple[str, str]:
+        """(label, category) of a prototype; ("", "unlabelled") without a database."""
+        if self.db is None:
+            return "", UNLABELLED
+        return self.db.labels.get(int(prototype_id), ("", UNLABELLED))
+
+    def check_prototype(self, prototype_id) -> int:
+        try:
+            pid = int(prototype_id)
+        except (TypeError, ValueError):
+            raise AppError(f"a prototype id is a whole number, got {prototype_id!r}") from None
+        if not 0 <= pid < self.n_prototypes:
+            raise AppError(f"no prototype {pid}: this model has prototypes 0..{self.n_prototypes - 1}")
+        return pid
+
+    # -- generation -------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, settings: GenerationSettings) -> tuple[list[int], int, list[str]]:
+        """Prompt ids, the number of new tokens that fit, and notes for the user (truncation)."""
+        if not settings.prompt or not settings.prompt.strip():
+            raise AppError("the prompt is empty: type a few words for the model to continue")
+        if settings.max_new_tokens < 1:
+            raise AppError(f"max new tokens must be at least 1, got {settings.max_new_tokens}")
+        ids = self.tokenizer(settings.prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise AppError("the prompt has no tokens")
+        notes = []
+        max_new = int(settings.max_new_tokens)
+        limit = self.model.max_length
+        if limit is not None:
+            if max_new >= limit:
+                max_new = limit // 2
+                notes.append(f"max new tokens lowered to {max_new}: the model's context is {limit} tokens")
+            room = limit - max_new
+            if len(ids) > room:
+                notes.append(f"the prompt had {len(ids)} tokens; the model's context is {limit} tokens, so only "
+                             f"its last {room} are used")
+                ids = ids[-room:]
+        return ids, max_new, notes
+
+    def stream(self, settings: GenerationSettings, interventions: Interventions | None = None,
+               ) -> Iterator[Generation]:
+        """Generate with model.stream(), yielding the growing Generation after every token."""
+        interventions = interventions or Interventions()
+        try:
+            interventions.check(self.n_prototypes)
+        except ValueError as err:
+            raise AppError(str(err)) from None
+        if settings.do_sample and not 0 < settings.top_p <= 1:
+            raise AppError(f"top-p must be in (0, 1], got {settings.top_p}")
+        ids, max_new, notes = self.encode_prompt(settings)
+        gen = Generation(settings=settings, interventions=interventions, prompt_ids=ids,
+                         prompt_text=self.tokenizer.decode(ids), notes=notes)
+        input_ids = torch.tensor([ids])  # (1, T)
+        for step in self.model.stream(input_ids, max_new, interventions=interventions,
+                                      do_sample=settings.do_sample, temperature=settings.temperature or 1.0,
+                                      top_p=settings.top_p, seed=settings.seed):
+            token = int(step.token_ids[0])
+            pids, acts = self.model.effective_activations(step.prototype_ids[0], step.activations[0], interventions)
+            keep = acts > 0
+            pids, acts = pids[keep], acts[keep]
+            order = acts.argsort(descending=True)
+            gen.steps.append(Step(token_id=token, text=self.tokenizer.decode([token]),
+                                  prototype_ids=pids[order].tolist(), activations=acts[order].tolist(),
+                                  logit=float(step.logits[0, token])))
+            yield gen
+
+    def generate(self, settings: GenerationSettings, interventions: Interventions | None = None) -> Generation:
+        gen = None
+        for gen in self.stream(settings, interventions):  # noqa: B007 - the last value is the whole text
+            continue
+        return gen
+
+    def top_category(self, step: Step) -> str:
+        return self.label(step.prototype_ids[0])[1] if step.prototype_ids else "no prototype"
+
+    # -- decomposition ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def final_states(self, gen: Generation) -> torch.Tensor:
+        """z (T, d) for prompt + tokens[:-1] (one forward pass, cached on the generation)."""
+        if gen.z is None or gen.z.shape[0] < len(gen.prompt_ids) + len(gen.steps) - 1:
+            z, _ = self.model.final_states(gen.input_ids(len(gen.steps) - 1))
+            gen.z = z[0]
+        return gen.z
+
+    def _position(self, gen: Generation, index) -> tuple[int, int]:
+        try:
+            index = int(index)
+        except (TypeError, ValueError):
+            raise AppError(f"a token index is a whole number, got {index!r}") from None
+        if not 0 <= index < len(gen.steps):
+            raise AppError(f"there is no generated token {index}: this text has {len(gen.steps)}")
+        return index, len(gen.prompt_ids) + index - 1
+
+    @torch.no_grad()
+    def token_view(self, gen: Generation, index: int, n_alternatives: int = 5) -> TokenView:
+        """Decomposition of generated token `index` and of the top alternatives at its position."""
+        index, position = self._position(gen, index)
+        z = self.final_states(gen)[position][None, None]  # (1, 1, d)
+        out = self.model.head(z, gen.interventions)
+        logits = out.logits[0, 0]  # (V,)
+        chosen = gen.steps[index].token_id
+        top = [int(t) for t in logits.topk(min(n_alternatives, logits.shape[0])).indices]
+        tokens = [chosen] + [t for t in top if t != chosen]
+        tokens = sorted(tokens, key=lambda t: -float(logits[t]))
+        decs = self.model.decompose_output(out, 0, tokens, gen.interventions)
+        views = {d.token_id: self._decomposition(d) for d in decs}
+        return TokenView(index=index, position=position, chosen=views[chosen],
+                         alternatives=[views[t] for t in tokens], stream_logit=gen.steps[index].logit)
+
+    def _decomposition(self, d) -> TokenDecomposition:
+        slices = []
+        for pid, act, contribution in zip(d.prototype_ids, d.activations, d.contributions):
+            label, category = self.label(pid)
+            slices.append(Slice(pid, label, category, act, contribution))
+        return TokenDecomposition(token_id=d.token_id, token=self.tokenizer.decode([d.token_id]), logit=d.logit,
+                                  residual=d.residual, slices=slices)
+
+    # -- what an intervention changed -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def why_changed(self, original: Generation, intervened: Generation, index: int) -> WhyChanged:
+        """Which of the intervened prototypes made the intervened text write token `index`.
+
+        The reference is what the model without interventions writes at the same place after the same text:
+        the original token at the first change, else the plain model's top token on the intervened prefix. Each
+        intervened prototype active there gets its effect on logit(new) - logit(reference) (the effects add up
+        exactly to the change of that margin); the flip set is the shortest run of the strongest effects whose
+        intervention alone makes the model (greedy) stop writing the reference token.
+        """
+        index, position = self._position(intervened, index)
+        diff = side_by_side(original, intervened)
+        new = intervened.steps[index].token_id
+        z = self.final_states(intervened)[position][None, None]  # (1, 1, d)
+        plain = self.model.head(z)
+        if diff.first_change is None or index < diff.first_change:
+            return WhyChanged(index, self.tokenizer.decode([new]), None,
+                              "this token is the same in both texts", [], [])
+        reference = original.steps[index].token_id if index == diff.first_change else \
+            int(plain.logits[0, 0].argmax())
+        if reference == new:
+            return WhyChanged(index, self.tokenizer.decode([new]), None,
+                              "the interventions did not change this token directly: without them the model would "
+                              "write the same token here; it differs from the original because the text before "
+                              "it differs", [], [])
+        ids, acts = plain.prototype_ids[0, 0], plain.activations[0, 0]  # (k,)
+        new_ids, new_acts = self.model.effective_activations(ids, acts, intervened.interventions)  # (k',)
+        old_acts = torch.zeros_like(new_acts)
+        old_acts[: ids.shape[0]] = acts
+        rows = self.model.lm_head.weight[[new, reference]]  # (2, d)
+        signature = rows @ self.model.prototypes.weight[new_ids].T  # (2, k')
+        margin = (new_acts - old_acts) * (signature[0] - signature[1])  # (k',) effect on logit(new) - logit(ref)
+        effects: dict[int, float] = {}
+        for pid, m, changed in zip(new_ids.tolist(), margin.tolist(), (new_acts != old_acts).tolist()):
+            if changed:
+                effects[pid] = effects.get(pid, 0.0) + m
+        ordered = sorted(effects, key=lambda p: -effects[p])
+        flip_set: list[int] = []
+        for pid in ordered:
+            if effects[pid] <= 0:
+                break
+            flip_set.append(pid)
+            logits = self.model.head(z, restrict(intervened.interventions, set(flip_set))).logits[0, 0]
+            if int(logits.argmax()) != reference:
+                break
+        else:
+            flip_set = []
+        if flip_set and int(self.model.head(z, restrict(intervened.interventions, set(flip_set)))
+                            .logits[0, 0].argmax()) == reference:
+            flip_set = []
+        ref_text = self.tokenizer.decode([reference])
+        if not effects:
+            message = "no intervened prototype is active here"
+        elif flip_set:
+            message = (f"without the interventions the model writes {ref_text!r} here; intervening on "
+                       f"{', '.join(f'#{p}' for p in flip_set)} alone is enough to change that")
+        else:
+            message = (f"without the interventions the model writes {ref_text!r} here; no subset of the "
+                       "intervened prototypes flips the greedy choice on its own (the token was sampled)")
+        return WhyChanged(
+            index=index, new_token=self.tokenizer.decode([new]), reference_token=ref_text, message=message,
+            effects=[{"prototype_id": p, "label": self.label(p)[0], "category": self.label(p)[1],
+                      "effect": effects[p]} for p in ordered],
+            flip_set=flip_set)
+
+    # -- the database -----------------------------------------------------------------------------------------
+
+    def _need_db(self) -> Database:
+        if self.db is None:
+            raise AppError(BUILD_HINT if self.db_error is None else f"{self.db_error}. {BUILD_HINT}")
+        return self.db
+
+    def card(self, prototype_id, n_evidence: int = 6) -> dict:
+        """A prototype card (label, score, stats, histogram, signature, co-active) and its evidence rows."""
+        pid = self.check_prototype(prototype_id)
+        db = self._need_db()
+        try:
+            card = db.run(query.prototype_card, pid)
+            card["evidence"] = db.run(query.evidence, pid, limit=n_evidence)
+        except UnknownPrototype as err:
+            raise AppError(str(err)) from None
+        return card
+
+    def search(self, text: str, mode: str = "label", k: int = 50) -> list[dict]:
+        """Label (substring) or semantic search; rows {prototype_id, label, category, score}."""
+        db = self._need_db()
+        needle = _clean_query(text)
+        from precompute.search import label_search, semantic_search
+
+        if mode == "label":
+            rows = db.run(label_search, needle, k=k)
+            return [{"prototype_id": r["prototype_id"], "label": r["label"], "category": r["category"],
+                     "score": r["label_score"]} for r in rows]
+        if mode == "semantic":
+            if not db.has_embeddings:
+                raise AppError("this database has no search embeddings: run `python -m precompute.search --db DB`")
+            rows = db.run(semantic_search, needle, k=k)
+            return [{"prototype_id": r["prototype_id"], "label": r["label"], "category": r["category"],
+                     "score": r["score"]} for r in rows]
+        raise AppError(f"search mode must be 'label' or 'semantic', got {mode!r}")
+
+    def table(self, category: str | None = None, order_by: str = "activation_count") -> list[dict]:
+        db = self._need_db()
+        if category and category not in db.categories:
+            raise AppError(f"unknown category {category!r}: one of {', '.join(db.categories)}")
+        if order_by not in query.ORDERINGS:
+            raise AppError(f"sort by one of {', '.join(query.ORDERINGS)}, got {order_by!r}")
+        return db.run(query.prototype_table, category=category or None, order_by=order_by)
+
+    def category_ids(self, category: str) -> list[int]:
+        db = self._need_db()
+        ids = [p for p, (_, c) in db.labels.items() if c == category]
+        if not ids:
+            raise AppError(f"no prototype has category {category!r}")
+        return sorted(ids)
+
+    def map_points(self) -> list[dict]:
+        return self._need_db().run(query.map_points)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers.
+
+
+def restrict(interventions: Interventions, ids: set[int]) -> Interventions:
+    """The part of `interventions` that concerns the prototypes in ids."""
+    return Interventions(suppress=frozenset(interventions.suppress & ids),
+                         scale={p: f for p, f in interventions.scale.items() if p in ids},
+                         inject={p: a for p, a in interventions.inject.items() if p in ids})
+
+
+def side_by_side(original: Generation, intervened: Generation) -> Diff:
+    """Per intervened token: 'same' before the first difference, 'first change' there, then 'changed' where the
+    tokens at the same index differ and 'after change' where they agree again (the texts before them differ)."""
+    a, b = original.token_ids, intervened.token_ids
+    first = next((i for i in range(len(b)) if i >= len(a) or a[i] != b[i]), None)
+    status = []
+    for i, token in enumerate(b):
+        if first is None or i < first:
+            status.append("same")
+        elif i == first:
+            status.append("first change")
+        else:
+            status.append("changed" if i >= len(a) or a[i] != token else "after change")
+    return Diff(status=status, first_change=first)
+
+
+def same_settings(gen: Generation | None, settings: GenerationSettings) -> bool:
+    return gen is not None and gen.settings == settings

@@ -1,0 +1,122 @@
+"""Plotly figures of the app: a token's logit as residual + prototype slices, the alternatives at a position, a
+prototype's logit signature and activation histogram, and the 2-D map. Pure functions of app.core values.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from app.core import UNLABELLED, TokenDecomposition, TokenView
+from precompute.schema import CATEGORIES
+
+_PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
+            "#86bcb6", "#d37295", "#8cd17d", "#bab0ac")
+CATEGORY_COLORS = {c: _PALETTE[i % len(_PALETTE)] for i, c in enumerate(CATEGORIES)}
+CATEGORY_COLORS[UNLABELLED] = "#c7c7c7"
+CATEGORY_COLORS["no prototype"] = "#eeeeee"
+RESIDUAL_COLOR = "#7f7f7f"
+_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), height=360)
+
+
+def category_color(category: str | None) -> str:
+    return CATEGORY_COLORS.get(category or UNLABELLED, CATEGORY_COLORS[UNLABELLED])
+
+
+def slice_name(prototype_id: int, label: str) -> str:
+    label = label if len(label) <= 32 else label[:31] + "…"
+    return f"#{prototype_id} {label}".strip()
+
+
+def decomposition_figure(d: TokenDecomposition) -> go.Figure:
+    """Waterfall: residual, then one bar per active prototype, ending in the exact sum; the model's logit is
+    written beside the sum."""
+    names = ["residual"] + [slice_name(s.prototype_id, s.label) for s in d.slices] + ["sum"]
+    values = [d.residual] + [s.contribution for s in d.slices] + [d.total]
+    hover = [f"residual (W·r + b): {d.residual:+.4f}"] + [
+        f"#{s.prototype_id} {s.label}<br>{s.category}<br>activation {s.activation:.4f}<br>"
+        f"contribution {s.contribution:+.4f}" for s in d.slices] + [f"sum {d.total:.4f}<br>model logit {d.logit:.4f}"]
+    fig = go.Figure(go.Waterfall(
+        x=names, y=values, measure=["relative"] * (len(values) - 1) + ["total"], hovertext=hover,
+        hoverinfo="text", text=[f"{v:+.3f}" for v in values], textposition="outside",
+        connector=dict(line=dict(color="#bbbbbb")),
+        increasing=dict(marker=dict(color="#59a14f")), decreasing=dict(marker=dict(color="#e15759")),
+        totals=dict(marker=dict(color="#4e79a7"))))
+    fig.update_layout(title=dict(text=f"logit of {d.token!r}: sum {d.total:.4f} = model logit {d.logit:.4f}",
+                                 font=dict(size=14)), showlegend=False, **_LAYOUT)
+    return fig
+
+
+def alternatives_figure(view: TokenView) -> go.Figure:
+    """One stacked bar per candidate token (residual + each prototype's slice, same colour per prototype across
+    tokens) and a diamond at its logit: why this token and not that one."""
+    tokens = [f"{a.token!r}" + (" ◀ chosen" if a.token_id == view.chosen.token_id else "")
+              for a in view.alternatives]
+    fig = go.Figure()
+    fig.add_bar(y=tokens, x=[a.residual for a in view.alternatives], orientation="h", name="residual",
+                marker_color=RESIDUAL_COLOR)
+    seen: dict[int, int] = {}
+    for a in view.alternatives:
+        for s in a.slices:
+            seen.setdefault(s.prototype_id, len(seen))
+    for pid, n in seen.items():
+        values, label = [], ""
+        for a in view.alternatives:
+            match = [s for s in a.slices if s.prototype_id == pid]
+            values.append(match[0].contribution if match else 0.0)
+            label = label or (match[0].label if match else "")
+        fig.add_bar(y=tokens, x=values, orientation="h", name=slice_name(pid, label),
+                    marker_color=_PALETTE[n % len(_PALETTE)])
+    fig.add_scatter(y=tokens, x=[a.logit for a in view.alternatives], mode="markers", name="logit (sum)",
+                    marker=dict(symbol="diamond", size=11, color="black"))
+    fig.update_layout(barmode="relative", title=dict(text="top tokens at this position", font=dict(size=14)),
+                      yaxis=dict(autorange="reversed"), legend=dict(font=dict(size=10), orientation="h", y=-0.15),
+                      **{**_LAYOUT, "height": 420})
+    return fig
+
+
+def signature_figure(card: dict, n: int = 12) -> go.Figure:
+    rows = card.get("signature", [])[:n]
+    fig = go.Figure(go.Bar(x=[r["value"] for r in rows], y=[repr(r["token"]) for r in rows], orientation="h",
+                           marker_color=category_color(card.get("category"))))
+    fig.update_layout(title=dict(text="logit signature W·p (top tokens)", font=dict(size=14)),
+                      yaxis=dict(autorange="reversed"), **{**_LAYOUT, "height": 300})
+    return fig
+
+
+def histogram_figure(card: dict) -> go.Figure:
+    edges, counts = card.get("hist_edges") or [], card.get("hist_counts") or []
+    centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
+    width = (edges[1] - edges[0]) if len(edges) > 1 else 1
+    fig = go.Figure(go.Bar(x=centres, y=counts, width=width * 0.95, marker_color=category_color(card.get("category"))))
+    fig.update_layout(title=dict(text="activation histogram (corpus)", font=dict(size=14)),
+                      xaxis_title="activation", yaxis_title="tokens", **{**_LAYOUT, "height": 300})
+    return fig
+
+
+def map_figure(points: list[dict], highlight: set[int] = frozenset()) -> go.Figure:
+    """The prototypes on their 2-D map, one trace per category; customdata carries the prototype id so a click
+    can open its card."""
+    fig = go.Figure()
+    by_category: dict[str, list[dict]] = {}
+    for p in points:
+        by_category.setdefault(p["category"] or UNLABELLED, []).append(p)
+    for category, rows in sorted(by_category.items()):
+        trace = fig.add_scattergl if len(points) > 4000 else fig.add_scatter  # SVG unless too many points
+        trace(
+            x=[r["x"] for r in rows], y=[r["y"] for r in rows], mode="markers", name=category,
+            customdata=[r["prototype_id"] for r in rows],
+            text=[f"#{r['prototype_id']} {r['label'] or ''}<br>{category}<br>{r['activation_count'] or 0} tokens"
+                  for r in rows],
+            hoverinfo="text",
+            marker=dict(color=category_color(category), size=[12 if r["prototype_id"] in highlight else 7
+                                                               for r in rows], line=dict(width=0.5, color="white")))
+    fig.update_layout(title=dict(text="prototype map (click a point to open its card)", font=dict(size=14)),
+                      xaxis=dict(visible=False), yaxis=dict(visible=False), **{**_LAYOUT, "height": 480})
+    return fig
+
+
+def empty_figure(message: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(xaxis=dict(visible=False), yaxis=dict(visible=False), **{**_LAYOUT, "height": 200})
+    return fig

@@ -1,0 +1,98 @@
+"""One user's state: the interventions they switched on and their last generations. A plain value kept in
+gr.State (one per browser tab or gradio_client session), never in a module global, so users never see each
+other's interventions. Every change returns a new Session (dataclasses.replace), never mutates a shared one.
+
+    s = Session().add(suppress_item(12, "year numbers"))
+    s = s.add(scale_item(7, 2.0, "suffix -ing")).add(group_item("category", "numbers/time", [1, 3, 9]))
+    s.interventions()   # -> prism.Interventions(suppress={1, 3, 9, 12}, scale={7: 2.0})
+    s = s.remove(0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from prism import Interventions
+
+if TYPE_CHECKING:
+    from app.core import Generation
+
+KINDS = ("suppress", "scale", "category", "search")
+MAX_SCALE = 10.0
+
+
+@dataclass(frozen=True)
+class InterventionItem:
+    """One row of the user's intervention list. factor 0 means suppress; a group (category or search result)
+    is suppressed as a whole; ids are fixed when the item is added."""
+
+    kind: str  # one of KINDS
+    target: str  # what the user picked: "#12 year numbers", a category, a search query
+    prototype_ids: tuple[int, ...]
+    factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not 0.0 <= self.factor <= MAX_SCALE:
+            raise ValueError(f"scale factor must be between 0 and {MAX_SCALE:g}, got {self.factor}")
+
+    def describe(self) -> str:
+        action = "suppress" if self.factor == 0 else f"scale x{self.factor:g}"
+        what = {"suppress": "prototype", "scale": "prototype", "category": "category", "search": "search"}[self.kind]
+        return f"{action} {what} {self.target} ({len(self.prototype_ids)} prototype(s))"
+
+
+def suppress_item(prototype_id: int, label: str = "") -> InterventionItem:
+    return InterventionItem("suppress", f"#{int(prototype_id)} {label}".strip(), (int(prototype_id),))
+
+
+def scale_item(prototype_id: int, factor: float, label: str = "") -> InterventionItem:
+    kind = "suppress" if float(factor) == 0 else "scale"
+    return InterventionItem(kind, f"#{int(prototype_id)} {label}".strip(), (int(prototype_id),), float(factor))
+
+
+def group_item(kind: str, target: str, prototype_ids: list[int]) -> InterventionItem:
+    if not prototype_ids:
+        raise ValueError(f"{kind} {target!r} matches no prototype: nothing to suppress")
+    return InterventionItem(kind, target, tuple(sorted({int(i) for i in prototype_ids})))
+
+
+@dataclass(frozen=True)
+class Session:
+    items: tuple[InterventionItem, ...] = ()
+    original: Generation | None = None  # the last generation without interventions
+    intervened: Generation | None = None  # the same settings with this session's interventions
+    selected: tuple[str, int] | None = None  # ("original" | "intervened", token index)
+
+    def add(self, item: InterventionItem) -> Session:
+        return replace(self, items=(*self.items, item))
+
+    def remove(self, index: int) -> Session:
+        index = int(index)
+        if not 0 <= index < len(self.items):
+            raise ValueError(f"there is no intervention #{index}: the list has {len(self.items)}")
+        return replace(self, items=self.items[:index] + self.items[index + 1:])
+
+    def clear(self) -> Session:
+        return replace(self, items=())
+
+    def interventions(self) -> Interventions:
+        """The items as one prism.Interventions: a suppression wins over any scaling of the same prototype; of
+        two scalings of one prototype the later one counts; factor 1 is no change."""
+        suppress: set[int] = set()
+        scale: dict[int, float] = {}
+        for item in self.items:
+            for pid in item.prototype_ids:
+                if item.factor == 0:
+                    suppress.add(pid)
+                else:
+                    scale[pid] = item.factor
+        scale = {p: f for p, f in scale.items() if p not in suppress and f != 1.0}
+        return Interventions(suppress=frozenset(suppress), scale=scale)
+
+    def rows(self) -> list[list]:
+        """The intervention list as table rows: index, what, prototype ids."""
+        return [[n, item.describe(), ", ".join(str(i) for i in item.prototype_ids[:20])
+                 + (" ..." if len(item.prototype_ids) > 20 else "")] for n, item in enumerate(self.items)]

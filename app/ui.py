@@ -1,0 +1,504 @@
+"""The Gradio app: plain handler functions first, then one `with gr.Blocks()` layout (build_demo).
+
+Every handler takes the shared, read-only Studio first (bound with functools.partial) and the user's Session (a
+gr.State value) where it needs one, and returns a new Session instead of changing a shared value. Every event
+has an api_name, so each UI action is also an HTTP endpoint `gradio_client` can call:
+
+    generate, decompose, prototype, search, suppress, scale, suppress_category, suppress_search,
+    remove_intervention, clear_interventions, interventions, map
+
+Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
+the app keeps running.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+from functools import partial
+
+import gradio as gr
+
+from app import plots
+from app.core import (
+    AppError,
+    Generation,
+    GenerationSettings,
+    Studio,
+    TokenView,
+    side_by_side,
+)
+from app.session import Session, group_item, scale_item, suppress_item
+
+logger = logging.getLogger(__name__)
+
+RUNS = ("original", "intervened")
+CHANGED = "changed by intervention"
+ORDERINGS = {"activation count": "activation_count", "label score": "label_score", "prototype id": "prototype_id"}
+TABLE_HEADERS = ["prototype_id", "label", "category", "score", "activation_count"]
+ACTIVE_HEADERS = ["prototype_id", "label", "category", "activation", "contribution"]
+INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
+
+
+def _ok(message: str) -> str:
+    return message
+
+
+def _problem(err: Exception) -> str:
+    return f"⚠️ {err}"
+
+
+def _highlights(studio: Studio, gen: Generation | None, diff_status: list[str] | None = None) -> list:
+    """HighlightedText value: each generated token with its top prototype's category (or 'changed')."""
+    if gen is None:
+        return []
+    out = []
+    for i, step in enumerate(gen.steps):
+        label = studio.top_category(step)
+        if diff_status is not None and diff_status[i] in ("first change", "changed"):
+            label = CHANGED
+        out.append((step.text, label))
+    return out
+
+
+def _generation_json(gen: Generation | None) -> dict | None:
+    if gen is None:
+        return None
+    return {"prompt": gen.prompt_text, "text": gen.text, "notes": gen.notes,
+            "interventions": {"suppress": sorted(gen.interventions.suppress),
+                              "scale": {str(p): f for p, f in gen.interventions.scale.items()}},
+            "tokens": [{"index": i, "token_id": s.token_id, "text": s.text, "logit": s.logit,
+                        "prototype_ids": s.prototype_ids, "activations": s.activations}
+                       for i, s in enumerate(gen.steps)]}
+
+
+def _interventions_table(session: Session) -> list[list]:
+    return session.rows()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Handlers: generation and tokens.
+
+
+def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
+             session: Session):
+    """Stream the original continuation and, when the session has interventions, the intervened one beside it
+    (same settings and seed). Yields (original, intervened, status, session, result)."""
+    try:
+        settings = GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
+                                      temperature=float(temperature or 0), top_p=float(top_p or 1.0),
+                                      seed=int(seed or 0))
+        interventions = session.interventions()
+        reuse = session.original is not None and session.original.settings == settings
+        streams = []
+        if not reuse:
+            streams.append(("original", studio.stream(settings)))
+        if not interventions.is_empty:
+            streams.append(("intervened", studio.stream(settings, interventions)))
+        current = {"original": session.original if reuse else None, "intervened": None}
+        active = list(streams)
+        while active:
+            for name, stream in list(active):
+                gen = next(stream, None)
+                if gen is None:
+                    active.remove((name, stream))
+                    continue
+                current[name] = gen
+            status = _generation_status(current)
+            yield (_highlights(studio, current["original"]), _highlights(studio, current["intervened"]), status,
+                   session, None)
+    except AppError as err:
+        yield [], [], _problem(err), session, None
+        return
+    original, intervened = current["original"], current["intervened"]
+    if original is None:  # nothing to stream: the stored original is reused and there are no interventions
+        original = session.original
+    diff = side_by_side(original, intervened) if intervened is not None else None
+    session = Session(items=session.items, original=original, intervened=intervened, selected=None)
+    result = {"original": _generation_json(original), "intervened": _generation_json(intervened),
+              "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
+    yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
+           _generation_status(current, diff), session, result)
+
+
+def _generation_status(current: dict, diff=None) -> str:
+    parts = []
+    gen = current["original"] or current["intervened"]
+    if gen is not None:
+        parts += [f"ℹ️ {note}" for note in gen.notes]
+    if current["intervened"] is None:
+        parts.append("Click a token to see why the model wrote it. Suppress or scale prototypes on the right, then "
+                     "generate again to compare.")
+    elif diff is not None:
+        if diff.first_change is None:
+            parts.append("The interventions did not change this continuation.")
+        else:
+            n = sum(s in ("first change", "changed") for s in diff.status)
+            parts.append(f"The interventions changed {n} token(s), first at token {diff.first_change}. Click a "
+                         f"highlighted token on the right to see which prototypes changed it.")
+    return "  \n".join(parts)
+
+
+def select_original(evt: gr.SelectData):
+    """A click on a token of the original text -> (run, index) for decompose."""
+    return "original", int(evt.index)
+
+
+def select_intervened(evt: gr.SelectData):
+    """A click on a token of the intervened text -> (run, index) for decompose."""
+    return "intervened", int(evt.index)
+
+
+def decompose(studio: Studio, run: str, index: float, session: Session):
+    """The decomposition of one generated token: waterfall, alternatives, summary, active prototypes, the top
+    prototype's id (to open its card), session and the data as JSON."""
+    try:
+        if run not in RUNS:
+            raise AppError(f"run must be 'original' or 'intervened', got {run!r}")
+        gen = session.original if run == "original" else session.intervened
+        if gen is None:
+            raise AppError("generate first" if run == "original" else
+                           "there is no intervened text: add an intervention and generate again")
+        view = studio.token_view(gen, int(index))
+        why = None
+        if run == "intervened" and session.original is not None:
+            why = studio.why_changed(session.original, gen, view.index)
+    except AppError as err:
+        empty = plots.empty_figure(str(err))
+        return empty, empty, _problem(err), [], None, session, None
+    session = Session(items=session.items, original=session.original, intervened=session.intervened,
+                      selected=(run, view.index))
+    rows = [[s.prototype_id, s.label, s.category, round(s.activation, 4), round(s.contribution, 4)]
+            for s in view.chosen.slices]
+    top = view.chosen.slices[0].prototype_id if view.chosen.slices else None
+    data = view.as_dict()
+    data["why_changed"] = why.as_dict() if why else None
+    return (plots.decomposition_figure(view.chosen), plots.alternatives_figure(view), _token_summary(view, why),
+            rows, top, session, data)
+
+
+def _token_summary(view: TokenView, why) -> str:
+    d = view.chosen
+    lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
+             f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}** "
+             f"(while generating: {view.stream_logit:.4f})."]
+    if len(view.alternatives) > 1:
+        best_other = next(a for a in view.alternatives if a.token_id != d.token_id)
+        lines.append(f"Runner-up {html.escape(repr(best_other.token))} at {best_other.logit:.4f}.")
+    if why is not None:
+        lines.append(f"**Why it changed:** {html.escape(why.message)}.")
+        if why.effects:
+            lines.append("Effect of each intervened prototype on logit(new) − logit(reference): " + ", ".join(
+                f"#{e['prototype_id']} {html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
+    return "  \n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Handlers: prototype cards, search, the map.
+
+
+def prototype(studio: Studio, prototype_id: float | str | None):
+    """A prototype's card: (markdown, signature plot, histogram plot, evidence html, card json)."""
+    try:
+        if prototype_id is None or str(prototype_id).strip() == "":
+            empty = plots.empty_figure("no prototype selected")
+            return "Pick a prototype: click a token, a table row or a point on the map.", empty, empty, "", None
+        card = studio.card(prototype_id)
+    except AppError as err:
+        empty = plots.empty_figure("no card")
+        return _problem(err), empty, empty, "", None
+    md = (f"### #{card['prototype_id']} {html.escape(card['label'] or '(no label)')}\n"
+          f"**{html.escape(card['category'] or 'unlabelled')}** · label score "
+          f"{card['label_score'] if card['label_score'] is None else round(card['label_score'], 3)} · active on "
+          f"{card['activation_count'] or 0} corpus tokens, mean activation {card['mean_activation'] or 0:.3f}, "
+          f"max {card['max_activation'] or 0:.3f}")
+    if card["coactive"]:
+        md += "  \nOften active with: " + ", ".join(
+            f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card["coactive"][:5])
+    evidence = "".join(_evidence_html(e) for e in card["evidence"]) or "<p>No evidence rows for this prototype.</p>"
+    data = {k: v for k, v in card.items() if k not in ("evidence",)}
+    data["evidence"] = [{k: e[k] for k in ("rank", "doc_id", "activation", "token", "url", "title", "source")}
+                        for e in card["evidence"]]
+    return md, plots.signature_figure(card), plots.histogram_figure(card), evidence, json.loads(
+        json.dumps(data, default=float))
+
+
+def _evidence_html(row: dict) -> str:
+    source = html.escape(row.get("title") or row.get("doc_id") or "")
+    if row.get("url"):
+        url = html.escape(row["url"], quote=True)
+        if url.startswith(("http://", "https://")):
+            source = f'<a href="{url}" target="_blank" rel="noopener noreferrer">{source or url}</a>'
+    return (f'<div class="prism-evidence"><div class="prism-evidence-text">…{row["html"]}…</div>'
+            f'<div class="prism-evidence-source">activation {row["activation"]:.3f} · {source} '
+            f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')
+
+
+def search(studio: Studio, text: str, mode: str, category: str, order: str):
+    """The browser table: all prototypes (empty search) or label / semantic search results, filtered by
+    category and sorted. Returns (rows, status)."""
+    try:
+        category = None if category in (None, "", "all") else category
+        order_by = ORDERINGS.get(order, order or "activation_count")
+        if not (text or "").strip():
+            rows = studio.table(category, order_by)
+            out = [[r["prototype_id"], r["label"], r["category"], r["label_score"], r["activation_count"]]
+                   for r in rows]
+            return out, f"{len(out)} prototype(s)"
+        results = studio.search(text, "semantic" if mode == "semantic" else "label", k=100)
+        counts = {r["prototype_id"]: r["activation_count"] for r in studio.table(category, "prototype_id")}
+        out = [[r["prototype_id"], r["label"], r["category"], r["score"], counts.get(r["prototype_id"])]
+               for r in results if r["prototype_id"] in counts]
+        if order_by == "activation_count":
+            out.sort(key=lambda r: -(r[4] or 0))
+        return out, f"{len(out)} match(es) for {text.strip()[:80]!r}"
+    except AppError as err:
+        return [], _problem(err)
+
+
+def map_plot(studio: Studio):
+    try:
+        return plots.map_figure(studio.map_points())
+    except AppError as err:
+        return plots.empty_figure(str(err))
+
+
+def deep_link(request: gr.Request):
+    """?prototype=ID opens that prototype's card and the browser tab."""
+    raw = request.query_params.get("prototype") if request is not None else None
+    try:
+        pid = int(raw) if raw is not None else None
+    except ValueError:
+        pid = None
+    # without a link leave the tabs alone: the user may already have switched tab when this arrives
+    return pid, (gr.Tabs(selected="browse") if pid is not None else gr.update())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Handlers: interventions (each returns session, the list, status).
+
+
+def _intervened(session: Session, make) -> tuple:
+    try:
+        session = session.add(make())
+    except (AppError, ValueError) as err:
+        return session, _interventions_table(session), _problem(err)
+    return session, _interventions_table(session), _ok(f"added: {session.items[-1].describe()}. Generate again to "
+                                                          "compare.")
+
+
+def suppress(studio: Studio, prototype_id, session: Session):
+    return _intervened(session, lambda: suppress_item(studio.check_prototype(prototype_id),
+                                                      studio.label(studio.check_prototype(prototype_id))[0]))
+
+
+def scale(studio: Studio, prototype_id, factor: float, session: Session):
+    def make():
+        pid = studio.check_prototype(prototype_id)
+        return scale_item(pid, float(factor), studio.label(pid)[0])
+
+    return _intervened(session, make)
+
+
+def suppress_category(studio: Studio, category: str, session: Session):
+    return _intervened(session, lambda: group_item("category", str(category), studio.category_ids(str(category))))
+
+
+def suppress_search(studio: Studio, text: str, mode: str, session: Session):
+    def make():
+        kind = "semantic" if mode == "semantic" else "label"
+        ids = [r["prototype_id"] for r in studio.search(text, kind, k=10 if kind == "semantic" else 10_000)]
+        return group_item("search", f"{kind} {text.strip()[:60]!r}", ids)
+
+    return _intervened(session, make)
+
+
+def remove_intervention(index, session: Session):
+    try:
+        session = session.remove(int(index))
+    except (TypeError, ValueError) as err:
+        return session, _interventions_table(session), _problem(err)
+    return session, _interventions_table(session), _ok("removed")
+
+
+def clear_interventions(session: Session):
+    return session.clear(), [], _ok("all interventions removed")
+
+
+def list_interventions(session: Session):
+    return _interventions_table(session), session.interventions().__repr__()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layout.
+
+CSS = """
+.prism-evidence { border-left: 3px solid #ddd; padding: 4px 8px; margin: 6px 0; font-family: monospace; }
+.prism-evidence-source { color: #666; font-size: 0.85em; font-family: sans-serif; }
+"""
+
+# A click on a map point writes its prototype id into the prototype id box and presses Open card.
+MAP_JS = """
+() => {
+  const hook = () => {
+    const plot = document.querySelector('#prototype-map .js-plotly-plot');
+    if (!plot || plot.__prismHooked || !plot.on) return;
+    plot.__prismHooked = true;
+    plot.on('plotly_click', (ev) => {
+      const point = ev && ev.points && ev.points[0];
+      if (!point || point.customdata === undefined) return;
+      const box = document.querySelector('#proto-id input');
+      box.value = String(point.customdata);
+      box.dispatchEvent(new Event('input', {bubbles: true}));
+      box.dispatchEvent(new Event('change', {bubbles: true}));
+      setTimeout(() => document.querySelector('#open-card').click(), 100);
+    });
+  };
+  new MutationObserver(hook).observe(document.body, {childList: true, subtree: true});
+}
+"""
+
+INTRO = """# PRISM studio
+Every token this model writes has a logit that splits **exactly** into a residual plus one slice per active
+prototype — a learned direction anchored to real training text. Generate, click a token to see its slices and the
+evidence behind them, then switch a prototype off and see what the model writes instead."""
+
+
+def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
+    """The one Blocks layout; `concurrency` bounds how many generations run at once (they share the CPU)."""
+    categories = studio.db.categories if studio.db is not None else []
+    color_map = {c: plots.category_color(c) for c in [*categories, "unlabelled", "no prototype"]}
+    color_map[CHANGED] = "#ff2d2d"
+    db_note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
+        "No precompute database: labels, categories and evidence are off. Build one with `python -m precompute " \
+        "build --model MODEL --corpus CORPUS --db out.duckdb` and start with `--db out.duckdb`."
+    with gr.Blocks(title="PRISM studio") as demo:
+        session = gr.State(Session())
+        gr.Markdown(INTRO + db_note)
+        with gr.Row():
+            with gr.Column(scale=3):
+                with gr.Tabs() as tabs:
+                    with gr.Tab("Generate", id="generate"):
+                        with gr.Row():
+                            prompt = gr.Textbox(label="Prompt", lines=3, scale=3, elem_id="prompt",
+                                                value="The river flows into the")
+                            with gr.Column(scale=2):
+                                max_new = gr.Slider(1, 256, value=24, step=1, label="Max new tokens")
+                                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
+                                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+                                seed = gr.Number(value=0, precision=0, label="Seed")
+                        generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
+                        gen_status = gr.Markdown(elem_id="gen-status")
+                        with gr.Row():
+                            original = gr.HighlightedText(label="Original", color_map=color_map, show_legend=True,
+                                                          show_inline_category=False, elem_id="original")
+                            intervened = gr.HighlightedText(label="With your interventions (same seed)",
+                                                            color_map=color_map, show_legend=True,
+                                                            show_inline_category=False, elem_id="intervened")
+                        with gr.Row():
+                            run = gr.Radio(list(RUNS), value="original", label="Text", scale=1)
+                            index = gr.Number(value=0, precision=0, label="Token index", scale=1)
+                            decompose_btn = gr.Button("Explain token", scale=1, elem_id="explain")
+                        token_md = gr.Markdown(elem_id="token-summary")
+                        with gr.Row():
+                            waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
+                            alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
+                        active = gr.Dataframe(headers=ACTIVE_HEADERS, label="Active prototypes (click a row)",
+                                              interactive=False, elem_id="active")
+                        with gr.Accordion("Data (as the API returns it)", open=False):
+                            result_json = gr.JSON(label="generate")
+                            token_json = gr.JSON(label="decompose")
+                    with gr.Tab("Prototypes", id="browse"):
+                        with gr.Row():
+                            query_box = gr.Textbox(label="Search", placeholder="e.g. year, suffix, a hospital",
+                                                   scale=3, elem_id="search-box")
+                            mode = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
+                            category = gr.Dropdown(["all", *categories], value="all", label="Category", scale=1)
+                            order = gr.Dropdown(list(ORDERINGS), value="activation count", label="Sort by", scale=1)
+                        search_btn = gr.Button("Search", variant="primary", elem_id="search")
+                        search_status = gr.Markdown(elem_id="search-status")
+                        table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, label="Prototypes (click a "
+                                             "row)", elem_id="table", max_height=360)
+                        proto_map = gr.Plot(label="Map", elem_id="prototype-map")
+            with gr.Column(scale=2):
+                gr.Markdown("### Prototype")
+                with gr.Row():
+                    proto_id = gr.Number(label="Prototype id", precision=0, elem_id="proto-id", scale=2)
+                    open_btn = gr.Button("Open card", scale=1, elem_id="open-card")
+                with gr.Row():
+                    suppress_btn = gr.Button("Suppress", variant="stop", elem_id="suppress")
+                    factor = gr.Slider(0, 5, value=2, step=0.1, label="Scale factor", elem_id="factor")
+                    scale_btn = gr.Button("Scale", elem_id="scale")
+                card_md = gr.Markdown(elem_id="card")
+                evidence = gr.HTML(elem_id="evidence")
+                signature = gr.Plot(label="Logit signature")
+                histogram = gr.Plot(label="Activation histogram")
+                card_json = gr.JSON(visible=False)
+                gr.Markdown("### Your interventions")
+                iv_status = gr.Markdown(elem_id="iv-status")
+                iv_table = gr.Dataframe(headers=INTERVENTION_HEADERS, interactive=False, elem_id="interventions")
+                with gr.Row():
+                    remove_index = gr.Number(value=0, precision=0, label="#", scale=1)
+                    remove_btn = gr.Button("Remove", scale=1)
+                    clear_btn = gr.Button("Clear all", scale=1)
+                with gr.Row():
+                    iv_category = gr.Dropdown(categories, label="Category", scale=2)
+                    category_btn = gr.Button("Suppress category", scale=1)
+                with gr.Row():
+                    iv_search = gr.Textbox(label="Every prototype matching", scale=2)
+                    iv_mode = gr.Radio(["label", "semantic"], value="label", label="by", scale=1)
+                    iv_search_btn = gr.Button("Suppress all", scale=1)
+                iv_repr = gr.Textbox(visible=False)
+
+        card_outputs = [card_md, signature, histogram, evidence, card_json]
+        iv_outputs = [session, iv_table, iv_status]
+        generate_btn.click(partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session],
+                           [original, intervened, gen_status, session, result_json], api_name="generate",
+                           concurrency_limit=concurrency, concurrency_id="model")
+        token_outputs = [waterfall, alternatives, token_md, active, proto_id, session, token_json]
+        decompose_btn.click(partial(decompose, studio), [run, index, session], token_outputs, api_name="decompose",
+                            concurrency_limit=concurrency, concurrency_id="model").then(
+            partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+        for select, component in ((select_original, original), (select_intervened, intervened)):
+            component.select(select, None, [run, index], api_name=False).then(
+                partial(decompose, studio), [run, index, session], token_outputs, api_name=False).then(
+                partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+        open_btn.click(partial(prototype, studio), [proto_id], card_outputs, api_name="prototype")
+
+        def pick_row(evt: gr.SelectData):
+            return evt.row_value[0]
+
+        for frame in (active, table):
+            frame.select(pick_row, None, [proto_id], api_name=False).then(
+                partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+
+        search_inputs = [query_box, mode, category, order]
+        search_btn.click(partial(search, studio), search_inputs, [table, search_status], api_name="search")
+        query_box.submit(partial(search, studio), search_inputs, [table, search_status], api_name=False)
+
+        suppress_btn.click(partial(suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
+        scale_btn.click(partial(scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
+        category_btn.click(partial(suppress_category, studio), [iv_category, session], iv_outputs,
+                           api_name="suppress_category")
+        iv_search_btn.click(partial(suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
+                            api_name="suppress_search")
+        remove_btn.click(remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
+        clear_btn.click(clear_interventions, [session], iv_outputs, api_name="clear_interventions")
+        iv_refresh = gr.Button(visible=False)
+        iv_refresh.click(list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
+
+        demo.load(partial(map_plot, studio), None, [proto_map], api_name="map").then(
+            partial(search, studio), [query_box, mode, category, order], [table, search_status], api_name=False)
+        demo.load(deep_link, None, [proto_id, tabs], api_name=False).then(
+            partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+    return demo
+
+
+def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
+           concurrency: int = 2, block: bool = True):
+    """Queue (at most `concurrency` events of one kind at once, 64 waiting) and serve."""
+    demo.queue(default_concurrency_limit=max(concurrency, 4), max_size=64)
+    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
+                       css=CSS, js=MAP_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
+                       show_error=True)

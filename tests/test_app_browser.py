@@ -1,0 +1,171 @@
+"""Playwright drives Debian's chromium against a running app.py: generate, click a token and read its
+decomposition (the sum equals the logit), suppress a prototype, regenerate and see the side-by-side change and
+why it changed; search a label, open the card, see evidence; click the map; follow a deep link.
+Screenshots go to test-artifacts/ (ignored by git). Needs `apt-get install -y chromium`; without it this FAILS.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_app_support import ROOT, running_app, shared_assets
+
+from app.core import GenerationSettings, Studio, side_by_side
+from prism import Interventions
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--no-first-run"]
+ARTIFACTS = ROOT / "test-artifacts"
+PROMPT = "the cat sat on the"
+CHANGED_RGB = "rgba(255, 45, 45"
+TIMEOUT = 60_000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.is_file():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium with `apt-get install -y chromium` "
+                    "(Playwright's own browser download does not work here)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    model, db = shared_assets(tmp_path_factory)
+    studio = Studio.load(model, db)
+    settings = GenerationSettings(PROMPT, max_new_tokens=12)
+    original = studio.generate(settings)
+    changing = next(p for p in range(studio.n_prototypes)
+                    if side_by_side(original, studio.generate(settings, Interventions(suppress={p}))).first_change
+                    is not None)
+    ARTIFACTS.mkdir(exist_ok=True)
+    with running_app(model, db) as url:
+        yield {"url": url, "studio": studio, "changing": changing}
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"app-{name}.png"), full_page=True)
+
+
+def new_page(browser, url: str):
+    page = browser.new_page(viewport={"width": 1500, "height": 1000})
+    page.set_default_timeout(TIMEOUT)
+    page.goto(url)
+    page.wait_for_selector("#proto-id")  # always visible, whichever tab a deep link opens
+    return page
+
+
+def set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def test_generate_explain_suppress_and_compare(browser, app):
+    page = new_page(browser, app["url"])
+    page.fill("#prompt textarea", PROMPT)
+    page.locator("input[aria-label='number input for Max new tokens']").fill("12")
+    page.locator("input[aria-label='number input for Max new tokens']").press("Tab")
+    page.click("#generate")
+    tokens = page.locator("#original .textfield .token")
+    page.wait_for_function("document.querySelectorAll('#original .textfield .token').length == 12")
+    shot(page, "1-generated")
+
+    tokens.nth(2).click()
+    page.wait_for_function("document.querySelector('#token-summary').innerText.includes('Token 2')")
+    page.wait_for_selector("#decomposition .js-plotly-plot")
+    summary = page.inner_text("#token-summary")
+    total, logit = (float(x) for x in re.search(r"= ([-\d.]+); the model's logit is ([-\d.]+)", summary).groups())
+    assert abs(total - logit) <= 1e-3 * max(1, abs(logit)), summary
+    page.wait_for_function("document.querySelector('#card').innerText.includes('#')")
+    shot(page, "2-token-decomposition")
+
+    set_number(page, "proto-id", app["changing"])
+    page.click("#suppress")
+    page.wait_for_function("document.querySelector('#iv-status').innerText.includes('added')")
+    assert f"#{app['changing']}" in page.inner_text("#interventions")
+    page.click("#generate")
+    page.wait_for_function("document.querySelectorAll('#intervened .textfield .token').length == 12")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('changed')")
+    changed = page.locator(f"#intervened .textfield .token[style*='{CHANGED_RGB}']")
+    assert changed.count() >= 1
+    assert page.locator("#original .textfield .token").count() == 12  # the original stays beside it
+    shot(page, "3-side-by-side")
+
+    changed.first.click()
+    page.wait_for_function("document.querySelector('#token-summary').innerText.includes('Why it changed')")
+    summary = page.inner_text("#token-summary")
+    assert f"#{app['changing']}" in summary, summary
+    shot(page, "4-why-changed")
+    page.close()
+
+
+def test_search_card_evidence_map_and_deep_link(browser, app):
+    studio = app["studio"]
+    label = studio.label(3)[0]
+    word = max(re.findall(r"[a-z]+", label), key=len)
+    page = new_page(browser, app["url"])
+    page.get_by_role("tab", name="Prototypes").click()
+    # the page's own load event fills the table first; searching before it lands races with it
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('prototype(s)')")
+    page.fill("#search-box textarea, #search-box input", word)
+    page.click("#search")
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('match')")
+    status = page.inner_text("#search-status")
+    assert not status.startswith("0 ") and "⚠️" not in status, status
+    assert word in page.inner_text("#table").lower()
+    shot(page, "5-search")
+    page.locator("#table [data-testid='cell-0-0']").click()
+    page.wait_for_function("document.querySelector('#card').innerText.includes('label score')")
+    card = page.inner_text("#card")
+    assert word in card.lower()
+    evidence = page.locator("#evidence .prism-evidence")
+    assert evidence.count() >= 1
+    assert page.locator("#evidence span[style*='outline']").count() >= 1  # the token is highlighted
+    assert "activation" in page.inner_text("#evidence")
+    shot(page, "5-card-evidence")
+
+    # the map: a click on a point opens that point's card
+    page.wait_for_selector("#prototype-map .js-plotly-plot .point")
+    point = page.locator("#prototype-map .js-plotly-plot .point").nth(5)
+    point.scroll_into_view_if_needed()
+    box = point.bounding_box()
+    before = page.inner_text("#card")
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("(b) => document.querySelector('#card').innerText !== b", arg=before)
+    assert "label score" in page.inner_text("#card")
+    shot(page, "6-map")
+    page.close()
+
+    page = new_page(browser, app["url"] + "/?prototype=7")
+    page.wait_for_function("document.querySelector('#card').innerText.includes('#7')")
+    shot(page, "7-deep-link")
+    page.close()
+
+
+def test_bad_input_in_the_browser(browser, app):
+    page = new_page(browser, app["url"])
+    page.fill("#prompt textarea", "   ")
+    page.click("#generate")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('empty')")
+    set_number(page, "proto-id", 4242)
+    page.click("#open-card")
+    page.wait_for_function("document.querySelector('#card').innerText.includes('no prototype 4242')")
+    page.get_by_role("tab", name="Prototypes").click()
+    page.fill("#search-box textarea, #search-box input", "'; DROP TABLE labels; --")
+    page.click("#search")
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('match')")
+    page.fill("#search-box textarea, #search-box input", "")
+    page.click("#search")
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('24 prototype')")
+    shot(page, "8-bad-input")
+    page.close()

@@ -1,0 +1,218 @@
+"""The app's UI-independent logic against the model itself: decompositions sum to the real logit, intervened
+continuations equal model.generate with the same Interventions, the prototypes named as the cause of a change
+really flip the token, sessions build the right Interventions, and bad input gets a message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_app_support import shared_assets
+
+from app import plots, ui
+from app.core import AppError, GenerationSettings, Studio, side_by_side
+from app.session import Session, group_item, scale_item, suppress_item
+from prism import Interventions
+
+PROMPT = "the cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    model, db = shared_assets(tmp_path_factory)
+    return Studio.load(model, db)
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    model, _ = shared_assets(tmp_path_factory)
+    return Studio.load(model)
+
+
+def _changing_prototype(studio, settings):
+    """A prototype whose suppression changes the greedy continuation (the tiny model has several)."""
+    original = studio.generate(settings)
+    for pid in range(studio.n_prototypes):
+        gen = studio.generate(settings, Interventions(suppress={pid}))
+        if side_by_side(original, gen).first_change is not None:
+            return pid
+    pytest.fail("no single prototype changes the tiny model's text")
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-4 * max(1.0, abs(b))
+
+
+@pytest.mark.parametrize("interventions", [None, "suppress", "scale"])
+@torch.no_grad()
+def test_decomposition_sums_to_the_real_logit(studio, interventions):
+    settings = GenerationSettings(PROMPT, max_new_tokens=6)
+    if interventions == "suppress":
+        interventions = Interventions(suppress={_changing_prototype(studio, settings)})
+    elif interventions == "scale":
+        interventions = Interventions(scale={0: 2.5, 5: 0.5})
+    gen = studio.generate(settings, interventions)
+    ids = gen.input_ids()  # (1, T)
+    logits = studio.model(ids, interventions=interventions).logits[0]  # independent full forward, (T, V)
+    for index in range(len(gen.steps)):
+        view = studio.token_view(gen, index, n_alternatives=4)
+        position = len(gen.prompt_ids) + index - 1
+        assert view.chosen.token_id == gen.steps[index].token_id
+        assert {a.token_id for a in view.alternatives} >= set(logits[position].topk(3).indices.tolist())
+        for d in view.alternatives:
+            assert close(d.total, float(logits[position, d.token_id]))
+            assert close(d.logit, float(logits[position, d.token_id]))
+            assert all(s.activation > 0 for s in d.slices)
+            if interventions is not None:
+                assert not set(interventions.suppress) & {s.prototype_id for s in d.slices}
+        assert close(view.chosen.logit, view.stream_logit)
+        # the chart shows the same slices: its relative bars add up to its total bar and to the logit
+        bars = plots.decomposition_figure(view.chosen).data[0].y
+        assert close(sum(bars[:-1]), bars[-1]) and close(bars[-1], float(logits[position, view.chosen.token_id]))
+        chart = plots.alternatives_figure(view)
+        for row, d in enumerate(view.alternatives):
+            stacked = sum(trace.x[row] for trace in chart.data if trace.type == "bar")
+            assert close(stacked, d.logit)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_intervened_continuation_equals_model_generate(studio, sample):
+    settings = GenerationSettings(PROMPT, max_new_tokens=8, temperature=0.9 if sample else 0.0, top_p=0.9, seed=3)
+    interventions = Session().add(suppress_item(_changing_prototype(studio, GenerationSettings(PROMPT, 8)))) \
+        .add(scale_item(1, 1.7)).interventions()
+    gen = studio.generate(settings, interventions)
+    ids = torch.tensor([gen.prompt_ids])
+    expected = studio.model.generate(ids, 8, interventions=interventions, do_sample=sample, temperature=0.9,
+                                     top_p=0.9, seed=3)
+    assert gen.token_ids == expected[0, ids.shape[1]:].tolist()
+    plain = studio.model.generate(ids, 8, do_sample=sample, temperature=0.9, top_p=0.9, seed=3)
+    assert studio.generate(settings).token_ids == plain[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def test_why_changed_names_prototypes_that_really_flip_the_token(studio):
+    settings = GenerationSettings(PROMPT, max_new_tokens=8)
+    pid = _changing_prototype(studio, settings)
+    # several interventions, only some of which matter at the first change
+    interventions = Interventions(suppress={pid, (pid + 1) % studio.n_prototypes}, scale={(pid + 2) % 24: 1.5})
+    original = studio.generate(settings)
+    intervened = studio.generate(settings, interventions)
+    diff = side_by_side(original, intervened)
+    assert diff.first_change is not None and diff.status[diff.first_change] == "first change"
+    first = diff.first_change
+    why = studio.why_changed(original, intervened, first)
+    assert why.reference_token == studio.tokenizer.decode([original.steps[first].token_id])
+    assert why.flip_set, why.message
+    prefix = intervened.input_ids(first)  # the same text before the token in both runs
+    ref = original.steps[first].token_id
+
+    def next_token(ids):
+        only = Interventions(suppress=interventions.suppress & set(ids),
+                             scale={p: f for p, f in interventions.scale.items() if p in ids})
+        return int(studio.model.generate(prefix, 1, interventions=only)[0, -1])
+
+    assert next_token(why.flip_set) != ref  # those prototypes alone change the token
+    assert next_token(why.flip_set[:-1]) == ref  # and the set is minimal along the ranking
+    # the effects add up exactly to the change of the margin logit(new) - logit(ref)
+    position = prefix.shape[1] - 1
+    new = intervened.steps[first].token_id
+    plain = studio.model(prefix).logits[0, position]
+    after = studio.model(prefix, interventions=interventions).logits[0, position]
+    margin_change = float((after[new] - after[ref]) - (plain[new] - plain[ref]))
+    assert close(sum(e["effect"] for e in why.effects), margin_change)
+    # tokens before the change are "the same"
+    if first > 0:
+        assert studio.why_changed(original, intervened, 0).reference_token is None
+
+
+def test_session_builds_interventions():
+    s = Session().add(suppress_item(3)).add(scale_item(4, 2.0)).add(group_item("category", "numbers/time", [4, 5]))
+    s = s.add(scale_item(6, 1.0)).add(scale_item(7, 0.5)).add(scale_item(7, 3.0))
+    iv = s.interventions()
+    assert iv.suppress == {3, 4, 5} and iv.scale == {7: 3.0}  # suppression wins, the later scale counts, x1 no-op
+    assert s.remove(2).interventions().scale == {4: 2.0, 7: 3.0}
+    assert s.clear().interventions().is_empty
+    assert Session().add(scale_item(2, 0.0)).interventions().suppress == {2}
+    with pytest.raises(ValueError):
+        s.remove(99)
+    with pytest.raises(ValueError):
+        scale_item(1, 11.0)
+    with pytest.raises(ValueError):
+        group_item("search", "nothing", [])
+    assert [r[0] for r in s.rows()] == list(range(6))
+
+
+def test_group_interventions_from_the_database(studio):
+    category = studio.db.categories[0]
+    ids = studio.category_ids(category)
+    assert ids and all(studio.label(p)[1] == category for p in ids)
+    session, rows, status = ui.suppress_category(studio, category, Session())
+    assert session.interventions().suppress == set(ids) and "category" in rows[0][1]
+    label = studio.label(ids[0])[0]
+    session, _, status = ui.suppress_search(studio, label, "label", session)
+    assert ids[0] in session.items[-1].prototype_ids and "⚠️" not in status
+    session, _, status = ui.suppress_search(studio, "numbers", "semantic", session)
+    assert len(session.items) == 3 and len(session.items[-1].prototype_ids) <= 10
+    _, _, status = ui.suppress(studio, 999, session)
+    assert "no prototype 999" in status
+    _, _, status = ui.suppress_category(studio, "not a category", session)
+    assert status.startswith("⚠️")
+
+
+def test_bad_input_gets_a_message(studio):
+    with pytest.raises(AppError, match="empty"):
+        studio.generate(GenerationSettings("   "))
+    long = " ".join(["the cat sat"] * 200)  # far beyond the tiny model's 256-token context
+    gen = studio.generate(GenerationSettings(long, max_new_tokens=10))
+    assert len(gen.prompt_ids) + 10 <= studio.model.max_length and "context" in gen.notes[0]
+    assert len(gen.steps) == 10
+    with pytest.raises(AppError):
+        studio.token_view(gen, 10)
+    with pytest.raises(AppError):
+        studio.card(999)
+    with pytest.raises(AppError):
+        studio.card("x; DROP TABLE labels")
+    for text in ["'; DROP TABLE labels; --", "%", "_", "\x00\x01", "<script>alert(1)</script>", "a" * 10_000]:
+        rows, status = ui.search(studio, text, "label", "all", "label score")
+        assert isinstance(rows, list)
+        assert ("type something" in status) if text == "\x00\x01" else "⚠️" not in status
+        rows, status = ui.search(studio, text, "semantic", "all", "activation count")
+        assert isinstance(rows, list)
+    assert len(studio.table()) == studio.n_prototypes  # nothing was dropped
+    md, *_ = ui.prototype(studio, "<b>1</b>")
+    assert md.startswith("⚠️")
+
+
+def test_generate_and_decompose_handlers(studio):
+    session = Session().add(suppress_item(_changing_prototype(studio, GenerationSettings(PROMPT, 6))))
+    outputs = list(ui.generate(studio, PROMPT, 6, 0, 1, 0, session))
+    assert len(outputs) >= 6  # streamed: one update per step at least
+    original, intervened, status, session, result = outputs[-1]
+    assert len(original) == 6 and any(label == ui.CHANGED for _, label in intervened)
+    assert result["first_change"] is not None and "changed" in status
+    fig, alt, summary, rows, top, session, data = ui.decompose(studio, "intervened", result["first_change"], session)
+    assert data["why_changed"]["flip_set"] and close(data["chosen"]["sum"], data["chosen"]["logit"])
+    assert top == rows[0][0] and session.selected == ("intervened", result["first_change"])
+    md, signature, histogram, evidence, card = ui.prototype(studio, top)
+    assert card["prototype_id"] == top and "outline" in evidence  # the evidence token is highlighted
+    # the stored original is reused when only the interventions change
+    again = list(ui.generate(studio, PROMPT, 6, 0, 1, 0, session.clear()))
+    assert again[-1][3].original is session.original and again[-1][3].intervened is None
+
+
+def test_without_a_database(bare, tmp_path, tmp_path_factory):
+    model_path, _ = shared_assets(tmp_path_factory)
+    gen = bare.generate(GenerationSettings(PROMPT, max_new_tokens=4))
+    view = bare.token_view(gen, 1)
+    assert close(view.chosen.total, view.chosen.logit) and all(s.category == "unlabelled" for s in view.chosen.slices)
+    with pytest.raises(AppError, match="precompute build"):
+        bare.card(0)
+    rows, status = ui.search(bare, "year", "label", "all", "label score")
+    assert rows == [] and "precompute build" in status
+    corrupt = tmp_path / "corrupt.duckdb"
+    corrupt.write_bytes(b"this is not a database" * 100)
+    loaded = Studio.load(model_path, corrupt)
+    assert loaded.db is None and "could not be opened" in loaded.db_error
+    with pytest.raises(AppError, match="could not be opened"):
+        loaded.card(0)
+    missing = Studio.load(model_path, tmp_path / "missing.duckdb")
+    assert missing.db is None and "no database" in missing.db_error

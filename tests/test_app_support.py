@@ -1,0 +1,110 @@
+"""Builders shared by the app tests (no tests here): a tiny PRISM model and a full precompute database in a folder.
+
+The model is a random tiny Llama with prototypes spread over real directions; the database holds every job
+(evidence, labels, search, map) run on the synthetic corpus of tests/helpers.py. Nothing reaches a hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+from helpers import tiny_backbone_dir, write_corpus
+
+from precompute.__main__ import main as precompute_main
+from prism import PrismConfig, PrismForCausalLM
+from prism.backbones import load_backbone, load_tokenizer
+
+N_PROTOTYPES, TOP_K = 24, 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_tiny_model(root: Path, seed: int = 0) -> Path:
+    """A saved tiny PRISM model (with tokenizer) under root/model; reused when already there."""
+    out = root / "model"
+    if (out / "config.json").is_file():
+        return out
+    backbone_dir = tiny_backbone_dir(root / "backbone", seed=seed)
+    model = PrismForCausalLM.from_backbone(load_backbone(str(backbone_dir)),
+                                           PrismConfig(n_prototypes=N_PROTOTYPES, top_k=TOP_K))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.prototypes.weight.normal_()
+        # a stronger bank than the tiny backbone's states: suppressing a prototype visibly changes the output
+        model.prototypes.weight.mul_(30.0)
+    model.save_pretrained(out)
+    load_tokenizer(str(backbone_dir)).save_pretrained(out)
+    return out
+
+
+def build_tiny_db(root: Path, model: Path) -> Path:
+    """Every precompute job on the synthetic corpus, into root/tiny.duckdb; reused when already there."""
+    db = root / "tiny.duckdb"
+    done = root / "tiny.done"
+    if done.is_file():
+        return db
+    corpus = write_corpus(root / "corpus", n_docs=30)
+    precompute_main(["build", "--model", str(model), "--corpus", str(corpus), "--db", str(db), "--top-n", "4",
+                     "--seq-len", "24", "--batch-size", "4"])
+    done.write_text(json.dumps({"db": str(db)}))
+    return db
+
+
+def shared_assets(tmp_path_factory) -> tuple[Path, Path]:
+    """(model folder, database) built once per pytest session and shared by the app test modules."""
+    root = tmp_path_factory.getbasetemp() / "app_assets"
+    root.mkdir(exist_ok=True)
+    model = build_tiny_model(root)
+    return model, build_tiny_db(root, model)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(model: Path, db: Path | None, concurrency: int = 2, timeout: float = 120.0):
+    """`python app.py` in a subprocess on a free 127.0.0.1 port; yields its URL, stops it afterwards."""
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "app.py"), "--model", str(model), "--port", str(port),
+            "--concurrency", str(concurrency)]
+    if db is not None:
+        argv += ["--db", str(db)]
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"app.py exited with {proc.returncode}:\n{log.read().decode()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"app.py did not answer on {url} within {timeout:.0f} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
