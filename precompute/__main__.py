@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from precompute import evidence
-from precompute.runs import JobArgsMismatch, connect
+from precompute.runs import JobArgsMismatch, connect, transaction
 from precompute.schema import JOBS
 from prism import PrismForCausalLM
 from prism.backbones import load_tokenizer
@@ -132,11 +132,10 @@ def strip_text(db: Path, out: Path) -> dict:
     shutil.copyfile(db, tmp)
     con = connect(tmp)
     try:
-        con.execute("BEGIN TRANSACTION")
-        con.execute("UPDATE documents SET text = NULL")
-        con.execute("UPDATE evidence SET token = '', context_tokens = []")
-        con.execute("INSERT OR REPLACE INTO meta VALUES ('pointer_only', 'true')")
-        con.execute("COMMIT")
+        with transaction(con):
+            con.execute("UPDATE documents SET text = NULL")
+            con.execute("UPDATE evidence SET token = '', context_tokens = []")
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('pointer_only', 'true')")
         con.execute("CHECKPOINT")
         counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("documents", "evidence")}
     finally:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from precompute.runs import connect, finish_job, start_job
+from precompute.runs import connect, finish_job, start_job, transaction
 from prism import PrismForCausalLM
 
 logger = logging.getLogger("precompute.evidence")
@@ -458,8 +458,7 @@ def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, t
                  "n_tokens": docs["n_tokens"]}
     tables = {"documents": documents, "evidence": evidence, "prototype_stats": prototype_stats,
               "coactivations": coact, "next_tokens": next_tokens, "logit_signatures": signatures}
-    con.execute("BEGIN TRANSACTION")
-    try:
+    with transaction(con):
         for name, data in tables.items():
             frame = pa.table(dict(data)) if isinstance(data, dict) else pa.Table.from_pandas(data,
                                                                                               preserve_index=False)
@@ -469,10 +468,6 @@ def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, t
             con.execute(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM incoming")
             con.unregister("incoming")
         finish_job(con, JOB)
-        con.execute("COMMIT")
-    except Exception:
-        con.execute("ROLLBACK")
-        raise
     tokens = sum(json.loads((work / f"shard-rank{r}.done").read_text())["tokens"] for r in range(world))
     return {"tokens": tokens, "evidence_rows": len(top), "documents": len(docs)}
 

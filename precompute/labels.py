@@ -25,8 +25,9 @@ Usage:
 The job is resumable: prototypes are labelled in id order, in chunks, and each chunk's rows are written together
 with its progress in one transaction, so a killed job that is started again writes exactly the rows an
 uninterrupted run writes. Its arguments (labeler, seed, ...) are stored; other arguments need --overwrite.
-For tests, the environment variable PRISM_CHUNK_SLEEP_S holds each chunk's transaction open that many seconds
-(after the rows are written, before the commit) so a test can kill the job mid-transaction.
+For tests, the environment variable PRISM_CHUNK_SLEEP_S (precompute.runs.SLEEP_ENV) holds each chunk's
+transaction open that many seconds (after the rows are written, before the commit) so a test can kill the job
+mid-transaction.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import json
 import logging
 import os
 import re
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -52,7 +52,16 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_DIM, EMBED_MODEL, embed
-from precompute.runs import JobArgsMismatch, connect, finish_job, get_progress, job_done, set_progress, start_job
+from precompute.runs import (
+    JobArgsMismatch,
+    connect,
+    finish_job,
+    job_done,
+    job_run_id,
+    remaining_prototypes,
+    start_job,
+    write_chunk,
+)
 from precompute.schema import CATEGORIES
 
 logger = logging.getLogger("precompute.labels")
@@ -62,7 +71,6 @@ WINDOW_BEFORE = 16  # context tokens before the evidence token in an embedded co
 WINDOW_AFTER = 2  # and after it (what the prototype helps predict)
 N_NEGATIVES = 256  # random contexts of other prototypes that held-out evidence is scored against
 MAX_LABEL_CHARS = 80
-SLEEP_ENV = "PRISM_CHUNK_SLEEP_S"
 
 
 class LabelerError(RuntimeError):
@@ -949,35 +957,6 @@ def score_labels(items: list[tuple[int, str, list[EvidenceContext]]], pool: Nega
 
 # ----------------------------------------------------------------------------------------------------------------
 # The job.
-
-
-def write_chunk(con: duckdb.DuckDBPyConnection, job: str, write: Callable[[], None], progress: str) -> None:
-    """Run write() and record progress in ONE transaction: a killed job never keeps half a chunk."""
-    con.execute("BEGIN TRANSACTION")
-    try:
-        write()
-        delay = float(os.environ.get(SLEEP_ENV, "0") or 0)
-        if delay > 0:  # test hook: hold the transaction open so a test can kill the job inside it
-            logger.info("%s: holding the chunk's transaction %.1f s (%s)", job, delay, SLEEP_ENV)
-            time.sleep(delay)
-        set_progress(con, job, "last_prototype_id", progress)
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
-
-
-def job_run_id(con: duckdb.DuckDBPyConnection, job: str) -> str | None:
-    row = con.execute("SELECT run_id FROM runs WHERE job = ?", [job]).fetchone()
-    return row[0] if row else None
-
-
-def remaining_prototypes(con: duckdb.DuckDBPyConnection, job: str) -> list[int]:
-    """Prototype ids of prototype_stats after the job's recorded progress, in id order."""
-    last = get_progress(con, job, "last_prototype_id")
-    rows = con.execute("SELECT prototype_id FROM prototype_stats WHERE prototype_id > ? ORDER BY prototype_id",
-                       [int(last) if last is not None else -(2**31)]).fetchall()
-    return [r[0] for r in rows]
 
 
 def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: NegativePool) -> list[tuple]:

@@ -11,14 +11,24 @@ JobArgsMismatch unless overwrite=True, which clears that job's tables first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
 
 from precompute.schema import JOB_TABLES, create_all
+
+logger = logging.getLogger(__name__)
+
+# Test hook: hold each chunk's transaction open this many seconds, so a test can kill a job inside it.
+SLEEP_ENV = "PRISM_CHUNK_SLEEP_S"
 
 
 class JobArgsMismatch(ValueError):
@@ -71,18 +81,49 @@ def finish_job(con: duckdb.DuckDBPyConnection, job: str) -> None:
                 [datetime.now(UTC).replace(tzinfo=None), job])
 
 
-def clear_job(con: duckdb.DuckDBPyConnection, job: str) -> None:
-    """Delete a job's rows, progress and run record (one transaction)."""
+@contextlib.contextmanager
+def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """Everything inside commits together or not at all (a kill inside leaves nothing behind)."""
     con.execute("BEGIN TRANSACTION")
     try:
+        yield
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
+
+
+def clear_job(con: duckdb.DuckDBPyConnection, job: str) -> None:
+    """Delete a job's rows, progress and run record (one transaction)."""
+    with transaction(con):
         for table in JOB_TABLES[job]:
             con.execute(f"DELETE FROM {table}")  # table names come from the schema module, never from input
         con.execute("DELETE FROM progress WHERE job = ?", [job])
         con.execute("DELETE FROM runs WHERE job = ?", [job])
-        con.execute("COMMIT")
-    except Exception:
-        con.execute("ROLLBACK")
-        raise
+
+
+def write_chunk(con: duckdb.DuckDBPyConnection, job: str, write: Callable[[], None], progress: str) -> None:
+    """Run write() and record progress in ONE transaction: a killed job never keeps half a chunk."""
+    with transaction(con):
+        write()
+        delay = float(os.environ.get(SLEEP_ENV, "0") or 0)
+        if delay > 0:
+            logger.info("%s: holding the chunk's transaction %.1f s (%s)", job, delay, SLEEP_ENV)
+            time.sleep(delay)
+        set_progress(con, job, "last_prototype_id", progress)
+
+
+def job_run_id(con: duckdb.DuckDBPyConnection, job: str) -> str | None:
+    row = con.execute("SELECT run_id FROM runs WHERE job = ?", [job]).fetchone()
+    return row[0] if row else None
+
+
+def remaining_prototypes(con: duckdb.DuckDBPyConnection, job: str) -> list[int]:
+    """Prototype ids of prototype_stats after the job's recorded progress, in id order."""
+    last = get_progress(con, job, "last_prototype_id")
+    rows = con.execute("SELECT prototype_id FROM prototype_stats WHERE prototype_id > ? ORDER BY prototype_id",
+                       [int(last) if last is not None else -(2**31)]).fetchall()
+    return [r[0] for r in rows]
 
 
 def job_args(con: duckdb.DuckDBPyConnection, job: str) -> dict | None:

@@ -30,15 +30,17 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_MODEL, embed
-from precompute.labels import (
-    WINDOW_AFTER,
-    WINDOW_BEFORE,
+from precompute.labels import WINDOW_AFTER, WINDOW_BEFORE, load_cards
+from precompute.runs import (
+    JobArgsMismatch,
+    connect,
+    finish_job,
+    job_done,
     job_run_id,
-    load_cards,
     remaining_prototypes,
+    start_job,
     write_chunk,
 )
-from precompute.runs import JobArgsMismatch, connect, finish_job, job_done, start_job
 
 logger = logging.getLogger("precompute.search")
 
