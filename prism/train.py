@@ -67,6 +67,8 @@ class TrainArgs:
     # -- what trains
     mode: str = "top"  # end-to-end | top | prototypes
     n_layers: int = 2  # top mode: how many of the top decoder layers train
+    cache_layer: int | None = None  # top mode: cache the states entering this layer (default: the first trained
+    # one); a lower layer lets runs with different --n-layers share one cache, the frozen layers between run per step
     # -- data
     corpus: str = ""  # text/jsonl/Parquet file, folder or glob
     seq_len: int = 256
@@ -107,6 +109,8 @@ class TrainArgs:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         PrismConfig(n_prototypes=self.n_prototypes, top_k=self.top_k)  # validates k <= K early
+        if self.cache_layer is not None and self.mode != "top":
+            raise ValueError("--cache-layer applies to --mode top only")
 
     def identity(self) -> dict:
         """The arguments that decide the result (a resumed run must match them)."""
@@ -226,7 +230,7 @@ class TrainModule(nn.Module):
     def __init__(self, model: PrismForCausalLM, args: TrainArgs) -> None:
         super().__init__()
         self.model, self.args = model, args
-        self.start_layer = model.n_layers - args.n_layers if args.mode == "top" else None
+        self.start_layer = _cache_layer(model, args) if args.mode == "top" else None
 
     def forward(self, ids: torch.Tensor, states: torch.Tensor | None):
         model, args = self.model, self.args
@@ -245,6 +249,17 @@ class TrainModule(nn.Module):
         loss, losses = prism_loss(out.logits, ids, z, out.z_hat, out.sims, cfg.lambda_rec, cfg.lambda_r1,
                                   cfg.lambda_r2)
         return loss, losses, out
+
+
+def _cache_layer(model: PrismForCausalLM, args: TrainArgs) -> int:
+    """The layer whose input states a top-mode run caches: the first trained layer unless --cache-layer is lower."""
+    first_trained = model.n_layers - args.n_layers
+    if args.cache_layer is None:
+        return first_trained
+    if not 0 <= args.cache_layer <= first_trained:
+        raise ValueError(f"--cache-layer must be in [0, {first_trained}] (at or below the first trained layer), "
+                         f"got {args.cache_layer}")
+    return args.cache_layer
 
 
 def _set_trainable(model: PrismForCausalLM, args: TrainArgs) -> None:
@@ -505,9 +520,10 @@ def _handle_dead(model, optimizer, usage, result, world) -> int:
 def _build_state_cache(model, args, blocks, rank, world) -> StateCache | None:
     if args.mode == "end-to-end":
         return None
-    layer = model.n_layers - args.n_layers if args.mode == "top" else model.n_layers
-    key = hashlib.sha256(json.dumps([args.backbone, model.backbone_fingerprint(
-        exclude={n for n, p in model.named_parameters() if p.requires_grad}), layer, blocks.shape,
+    layer = _cache_layer(model, args) if args.mode == "top" else model.n_layers
+    # The backbone is still untouched here (a checkpoint loads later), so its whole fingerprint names the states;
+    # runs that train different layers above `layer` share the cache.
+    key = hashlib.sha256(json.dumps([args.backbone, model.backbone_fingerprint(), layer, blocks.shape,
         int(hashlib.sha256(blocks.tobytes()).hexdigest()[:12], 16), args.cache_dtype]).encode()).hexdigest()[:16]
     cache = StateCache(_cache_root(args) / f"states-{key}", (*blocks.shape, model.d_model), args.cache_dtype,
                        rank)
@@ -571,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = TrainArgs(corpus="-", out="-")
     groups = {
         "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "dense_baseline"],
-        "what trains": ["mode", "n_layers"],
+        "what trains": ["mode", "n_layers", "cache_layer"],
         "data": ["corpus", "seq_len", "val_fraction", "max_tokens"],
         "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
         "prototype health": ["init_tokens", "dead_every"],
@@ -583,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
         "dense_baseline": "train the same layers on the same data and steps with CE only (no prototypes)",
         "mode": "end-to-end | top (top --n-layers + prototypes, lower states cached) | prototypes (bank only)",
         "n_layers": "top mode: number of top decoder layers that train",
+        "cache_layer": "top mode: cache the states entering this layer (default: the first trained layer); lower "
+                       "lets runs with different --n-layers share one cache",
         "corpus": "text/jsonl/Parquet file, folder or glob (required)",
         "val_fraction": "fraction of documents held out for validation (chosen by a hash of the document id)",
         "max_tokens": "cap on the training tokens read from the corpus",
@@ -599,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
             default = getattr(defaults, name)
             if isinstance(default, bool):
                 group.add_argument(flag, action="store_true", help=helps.get(name, ""))
-            elif name in ("max_tokens", "exit_after"):
+            elif name in ("max_tokens", "exit_after", "cache_layer"):
                 group.add_argument(flag, type=int, default=None, help=helps.get(name, ""))
             elif name == "cache_dir":
                 group.add_argument(flag, default=None, help=helps.get(name, ""))

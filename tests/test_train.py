@@ -109,6 +109,18 @@ def test_dense_baseline_trains_the_same_layers_without_prototypes(setup, tmp_pat
     assert set(log[0]) >= {"ce"} and "rec" not in log[0]
 
 
+def test_a_lower_cache_layer_gives_the_same_run_and_is_shared(setup, tmp_path):
+    """Caching the states entering layer 0 and running the frozen layers per step equals caching the states
+    entering the first trained layer; runs that train different layers share the lower cache."""
+    cache = str(tmp_path / "c")
+    direct = main(_argv(setup, tmp_path / "direct", cache_dir=cache, steps=6))
+    low = main(_argv(setup, tmp_path / "low", cache_dir=cache, steps=6, cache_layer=0))
+    for name, tensor in _weights(direct).items():
+        torch.testing.assert_close(_weights(low)[name], tensor, rtol=1e-4, atol=1e-5)
+    main(_argv(setup, tmp_path / "two", cache_dir=cache, steps=2, n_layers=2, cache_layer=0))
+    assert len(list(Path(cache).glob("states-*"))) == 2  # layer 2 (the direct run) and layer 0 (both others)
+
+
 def test_bad_arguments_get_clear_errors(setup, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(_argv(setup, tmp_path / "x", top_k=50))
@@ -117,6 +129,10 @@ def test_bad_arguments_get_clear_errors(setup, tmp_path, capsys):
         main(_argv(setup, tmp_path / "x", mode="sideways"))
     with pytest.raises(ValueError, match="n-layers"):
         main(_argv(setup, tmp_path / "y", n_layers=9))
+    with pytest.raises(ValueError, match="cache-layer"):
+        main(_argv(setup, tmp_path / "w", cache_layer=3))  # above the first trained layer (2)
+    with pytest.raises(SystemExit):
+        main(_argv(setup, tmp_path / "v", mode="prototypes", cache_layer=0))
     with pytest.raises(FileNotFoundError, match="no corpus files"):
         main(_argv(setup, tmp_path / "z", corpus=str(tmp_path / "missing.jsonl")))
 
