@@ -4,6 +4,14 @@
 """
 
 from prism.config import PrismConfig
-from prism.model import Decomposition, GenerationStep, Interventions, PrismForCausalLM, PrismOutput
+from prism.model import (
+    ActivationController,
+    Decomposition,
+    GenerationStep,
+    Interventions,
+    PrismForCausalLM,
+    PrismOutput,
+)
 
-__all__ = ["Decomposition", "GenerationStep", "Interventions", "PrismConfig", "PrismForCausalLM", "PrismOutput"]
+__all__ = ["ActivationController", "Decomposition", "GenerationStep", "Interventions", "PrismConfig",
+           "PrismForCausalLM", "PrismOutput"]

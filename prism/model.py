@@ -9,8 +9,9 @@ model with forward, decompose, generate and checkpoint I/O. The math is PRISM.md
     l_t      = W z_t + b = (W r_t + b) + sum_{i in K_t} a_{t,i} (W p_i)
 
 so the logit of any token splits exactly into a residual slice and one slice per active prototype. An
-intervention changes the activations a (suppress, scale, inject) and therefore z and the logits at that position
-only; the backbone's KV cache is untouched, which is why interventions work inside cached generation.
+intervention changes the activations a (a fitted controller's reweighting, then suppress, scale, inject) and
+therefore z and the logits at that position only; the backbone's KV cache is untouched, which is why
+interventions work inside cached generation.
 
 Usage:
     from prism import PrismConfig, PrismForCausalLM, Interventions
@@ -30,6 +31,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -56,21 +58,43 @@ DENSE_RECONSTRUCT_LIMIT = 1 << 26
 # Interventions: plain values passed with a call, validated against the bank, never stored on the model.
 
 
+@runtime_checkable
+class ActivationController(Protocol):
+    """A fitted map from a position's active-prototype activations to new ones (PRISM.md section 3, controllers;
+    prism/controllers.py has the fitted kind). reweight must keep the ids, keep activations >= 0 and act on each
+    position on its own, so it works inside cached generation like the other interventions."""
+
+    n_prototypes: int
+
+    def reweight(self, ids: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
+        """ids (..., k) long, acts (..., k) >= 0 -> new activations (..., k) >= 0."""
+        ...
+
+    def restricted(self, prototype_ids: set[int]) -> ActivationController:
+        """The same controller acting only on prototype_ids (every other prototype left as it is)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Interventions:
     """Changes to prototype activations for one call (PRISM.md section 3).
 
+    controller: a fitted ActivationController, applied first to the model's own activations.
     suppress: prototype ids whose activation is set to 0 wherever they are active.
     scale:    {prototype_id: factor >= 0} multiplies the activation wherever the prototype is active.
     inject:   {prototype_id: activation >= 0} sets the activation at every position, active there or not.
-    A prototype may appear in only one of the three.
+    A prototype may appear in only one of suppress/scale/inject; those act on the controller's output.
     """
 
     suppress: frozenset[int] = field(default_factory=frozenset)
     scale: dict[int, float] = field(default_factory=dict)
     inject: dict[int, float] = field(default_factory=dict)
+    controller: ActivationController | None = None
 
     def __post_init__(self) -> None:
+        if self.controller is not None and not isinstance(self.controller, ActivationController):
+            raise TypeError(f"controller must be an ActivationController (n_prototypes, reweight, restricted), got "
+                            f"{type(self.controller).__name__}")
         object.__setattr__(self, "suppress", frozenset(int(i) for i in self.suppress))
         object.__setattr__(self, "scale", {int(i): float(s) for i, s in self.scale.items()})
         object.__setattr__(self, "inject", {int(i): float(a) for i, a in self.inject.items()})
@@ -86,15 +110,19 @@ class Interventions:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.suppress or self.scale or self.inject)
+        return not (self.suppress or self.scale or self.inject or self.controller is not None)
 
     def prototype_ids(self) -> set[int]:
+        """The prototypes named in suppress/scale/inject (a controller may move any active prototype)."""
         return set(self.suppress) | set(self.scale) | set(self.inject)
 
     def check(self, n_prototypes: int) -> None:
         bad = sorted(i for i in self.prototype_ids() if not 0 <= i < n_prototypes)
         if bad:
             raise ValueError(f"unknown prototype ids {bad}: this model has prototypes 0..{n_prototypes - 1}")
+        if self.controller is not None and self.controller.n_prototypes != n_prototypes:
+            raise ValueError(f"the controller was fitted for a model with {self.controller.n_prototypes} prototypes "
+                             f"but this model has {n_prototypes}: it belongs to another model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -386,12 +414,18 @@ class PrismForCausalLM(nn.Module):
     def effective_activations(
         self, ids: torch.Tensor, acts: torch.Tensor, interventions: Interventions | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activations the logits actually use: (..., k + n_inject) ids and activations, where suppressed
-        entries are 0, scaled ones multiplied, and injected prototypes set (their own top-k entry zeroed)."""
+        """The activations the logits actually use: (..., k + n_inject) ids and activations, where the controller
+        (if any) has reweighted the model's own activations first, then suppressed entries are 0, scaled ones
+        multiplied, and injected prototypes set (their own top-k entry zeroed)."""
         if interventions is None or interventions.is_empty:
             return ids, acts
         interventions.check(self.config.n_prototypes)
-        new = acts.clone()
+        if interventions.controller is not None:
+            new = interventions.controller.reweight(ids, acts)  # (..., k)
+            if new.shape != acts.shape or bool((new < 0).any()):
+                raise ValueError("the controller must return one activation >= 0 per active prototype")
+        else:
+            new = acts.clone()
         if interventions.suppress:
             suppressed = torch.tensor(sorted(interventions.suppress), device=ids.device)
             new = torch.where(torch.isin(ids, suppressed), torch.zeros_like(new), new)
