@@ -1,7 +1,9 @@
-"""Build a precompute database: evidence, labels, search embeddings and the prototype map, in that order.
+"""Build a precompute database: evidence, labels, search embeddings, the prototype map and intervention presets,
+in that order.
 
     python -m precompute build --model runs/prism/final --corpus default --db out.duckdb
     python -m precompute build ... --jobs evidence,labels           # a subset (later jobs read earlier ones)
+    python -m precompute build ... --jobs attribution --attribution-max-sequences 4096   # opt-in: training data
     torchrun --standalone --nproc-per-node 2 -m precompute build ...  # evidence sharded by rank, merged by rank 0
     python -m precompute strip-text --db out.duckdb --out shipped.duckdb   # pointer-only copy for shipping
 
@@ -22,9 +24,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from precompute import evidence
+from precompute import attribution, evidence
 from precompute.runs import JobArgsMismatch, connect, transaction
-from precompute.schema import JOBS
+from precompute.schema import DEFAULT_JOBS, JOBS
 from prism import PrismForCausalLM
 from prism.backbones import load_tokenizer
 
@@ -100,6 +102,9 @@ def build(ns: argparse.Namespace) -> dict:
         dist.barrier()
     if rank != 0:
         return summary
+    if "attribution" in jobs:
+        summary["attribution"] = attribution.run(ns.db, model, tokenizer, documents, attribution.attribution_args(ns),
+                                                 {"model": model_info, "corpus": corpus_info}, overwrite=ns.overwrite)
     con = connect(ns.db)
     try:
         if "labels" in jobs:
@@ -117,6 +122,10 @@ def build(ns: argparse.Namespace) -> dict:
 
             vectors = model.prototypes.weight.detach().float().numpy()
             summary["map"] = proto_map.run(con, vectors, seed=ns.seed, overwrite=ns.overwrite)
+        if "presets" in jobs:
+            from precompute import presets
+
+            summary["presets"] = presets.run(con, presets.PresetArgs(), overwrite=ns.overwrite)
     finally:
         con.close()
     return summary
@@ -134,6 +143,7 @@ def strip_text(db: Path, out: Path) -> dict:
     try:
         with transaction(con):
             con.execute("UPDATE documents SET text = NULL")
+            con.execute("UPDATE attribution_documents SET text = NULL")
             con.execute("UPDATE evidence SET token = '', context_tokens = []")
             con.execute("INSERT OR REPLACE INTO meta VALUES ('pointer_only', 'true')")
         con.execute("CHECKPOINT")
@@ -151,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="run the jobs into a database",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     evidence.add_arguments(b)
-    b.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {', '.join(JOBS)}")
+    b.add_argument("--jobs", default=",".join(DEFAULT_JOBS),
+                   help=f"comma-separated subset of {', '.join(JOBS)} (attribution only when named)")
+    attribution.add_arguments(b.add_argument_group("attribution"), shared=True)
     b.add_argument("--labeler", default="offline", help="offline | openai | local")
     b.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL for --labeler openai")
     b.add_argument("--llm-model", default=None, help="model name (openai) or local folder (local)")

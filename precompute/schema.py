@@ -17,8 +17,13 @@ JOB_TABLES: dict[str, tuple[str, ...]] = {
     "labels": ("labels",),
     "search": ("embeddings",),
     "map": ("prototype_map",),
+    "presets": ("presets",),
+    "attribution": ("attribution_documents", "attribution_sequences", "attribution_factors", "attribution_vectors"),
 }
 JOBS = tuple(JOB_TABLES)
+# What `python -m precompute build` runs unless --jobs names them: every job but attribution, which is opt-in (a
+# pass over every training sequence plus a curvature fit; precompute/attribution.py).
+DEFAULT_JOBS = tuple(job for job in JOBS if job != "attribution")
 
 DDL = {
     # One row per job run: its arguments, so a re-run with other arguments is refused unless --overwrite.
@@ -133,12 +138,70 @@ DDL = {
             vector FLOAT[] NOT NULL,          -- L2-normalised
             PRIMARY KEY (kind, prototype_id, item)
         )""",
+    # Named intervention presets (precompute/presets.py): one row per (preset, prototype) with why it was chosen.
+    "presets": """
+        CREATE TABLE IF NOT EXISTS presets (
+            name VARCHAR NOT NULL,
+            prototype_id INTEGER NOT NULL,
+            reasons VARCHAR[] NOT NULL,       -- label | next_token | signature
+            PRIMARY KEY (name, prototype_id)
+        )""",
     "prototype_map": """
         CREATE TABLE IF NOT EXISTS prototype_map (
             prototype_id INTEGER PRIMARY KEY,
             x DOUBLE NOT NULL,
             y DOUBLE NOT NULL,
             method VARCHAR NOT NULL
+        )""",
+    # Training-data attribution (precompute/attribution.py, prism/attribution.py). The documents the training
+    # sequences come from; text NULL in pointer-only databases, as in documents.
+    "attribution_documents": """
+        CREATE TABLE IF NOT EXISTS attribution_documents (
+            doc_id VARCHAR PRIMARY KEY,
+            source VARCHAR NOT NULL,
+            url VARCHAR,
+            title VARCHAR,
+            text VARCHAR,
+            sha256 VARCHAR NOT NULL,
+            n_chars INTEGER NOT NULL,
+            n_tokens INTEGER NOT NULL
+        )""",
+    # One row per training sequence: an evidence-job window, the document's tokens [seq_token_start,
+    # seq_token_end) and characters [char_start, char_end).
+    "attribution_sequences": """
+        CREATE TABLE IF NOT EXISTS attribution_sequences (
+            sequence_id INTEGER PRIMARY KEY,
+            doc_id VARCHAR NOT NULL,
+            seq_token_start INTEGER NOT NULL,
+            seq_token_end INTEGER NOT NULL,
+            char_start INTEGER NOT NULL,
+            char_end INTEGER NOT NULL,
+            n_targets INTEGER NOT NULL,       -- tokens whose next token is inside the sequence (the loss terms)
+            loss DOUBLE NOT NULL              -- their summed cross-entropy
+        )""",
+    # The curvature and the projection as named matrices, one row per matrix row: coactivation (K x K, A),
+    # output_vectors (d x d, eigenvectors of S as columns), output_values (1 x d), basis (d x r, the shared
+    # projection B), damping (1 x 1, the absolute lambda).
+    "attribution_factors": """
+        CREATE TABLE IF NOT EXISTS attribution_factors (
+            name VARCHAR NOT NULL,
+            row INTEGER NOT NULL,
+            "values" FLOAT[] NOT NULL,
+            PRIMARY KEY (name, row)
+        )""",
+    # Per (prototype, training sequence) where the prototype is active: the cached vector (r floats: the whitened
+    # smooth part of the sequence's gradient row, projected on the basis) and, parallel, every position in the
+    # sequence (counted from seq_token_start) where the prototype is active, its activation there and the token
+    # predicted there (the gradient's one-hot part, kept exactly).
+    "attribution_vectors": """
+        CREATE TABLE IF NOT EXISTS attribution_vectors (
+            prototype_id INTEGER NOT NULL,
+            sequence_id INTEGER NOT NULL,
+            vector FLOAT[] NOT NULL,
+            token_positions INTEGER[] NOT NULL,
+            activations FLOAT[] NOT NULL,
+            target_ids INTEGER[] NOT NULL,
+            PRIMARY KEY (prototype_id, sequence_id)
         )""",
 }
 

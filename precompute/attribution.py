@@ -1,0 +1,691 @@
+"""The attribution job: cache per-training-sequence statistics so a token's training data is a sparse product.
+
+    python -m precompute build --model runs/prism/final --corpus default --db out.duckdb --jobs attribution
+    python -m precompute.attribution --model runs/prism/final --corpus default --db out.duckdb --max-sequences 4096
+
+The training sequences are the evidence job's windows (document_windows: --seq-len tokens per window, documents
+in corpus order), so every answer links to a document, a token span and a character span. The math is in
+prism/attribution.py; this job runs it over the corpus in three passes:
+
+1. fit: the model runs over every window once; per target token it keeps z, e = W^T (softmax - onehot), the
+   active prototypes and activations in work files beside the database, and accumulates the curvature factors
+   A (co-usage) and S (output side). Checkpointed atomically every --docs-per-chunk documents.
+2. factors: the curvature is eigendecomposed, every sequence's whitened rows give the shared projection basis B
+   (top --rank principal directions), and documents, sequences and factors are written in one transaction.
+3. vectors: per (prototype, sequence) the cached vector (the whitened smooth part of the gradient row, projected
+   on B) and, exactly, every position where the prototype is active with its activation and the token predicted
+   there (the gradient's one-hot part), written in chunks; each chunk commits with its progress, so a killed job
+   neither loses nor repeats rows.
+
+Cost: the fit pass is one forward pass of the whole model per window plus, per token, a softmax over the
+vocabulary; its work files hold two d-vectors per token (about 4.7 KB per token for d = 576, 2.4 GB for 4096
+windows of 128 tokens) and are deleted at the end. The later passes touch only those files.
+
+Runs in one process (rank 0 of a distributed build). The arguments are stored with the output; other arguments
+are refused unless --overwrite. The read side (load_index, attribution_rows) serves the app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import logging
+import os
+import shutil
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import torch
+from tqdm.auto import tqdm
+
+from precompute.evidence import Window, document_windows
+from precompute.runs import connect, finish_job, get_progress, job_done, set_progress, start_job, transaction
+from prism import PrismForCausalLM
+from prism.attribution import (
+    BlockWhitening,
+    CachedIndex,
+    Curvature,
+    CurvatureAccumulator,
+    SequenceRows,
+    TokenStats,
+    next_token_targets,
+    sequence_gradients,
+    token_statistics,
+    whitened_basis,
+)
+
+logger = logging.getLogger("precompute.attribution")
+
+JOB = "attribution"
+# Testing hook: "fit:N" or "vectors:N" kills this process with SIGKILL after chunk N of that pass, before the
+# chunk's checkpoint (fit) or right after its commit (vectors).
+KILL_HOOK = "PRISM_ATTRIBUTION_KILL_AT"
+BUILD_HINT = ("this database has no attribution cache: build it with `python -m precompute build --model MODEL "
+              "--corpus CORPUS --db DB --jobs attribution`")
+
+
+@dataclass
+class AttributionArgs:
+    seq_len: int = 256  # tokens per training sequence (the evidence job's windows)
+    batch_size: int = 8  # sequences per forward pass
+    docs_per_chunk: int = 64  # checkpoint granularity of the fit pass
+    sequences_per_chunk: int = 256  # sequences per committed chunk of the vectors pass
+    limit: int | None = None  # read at most this many documents
+    max_sequences: int | None = None  # stop after this many training sequences
+    rank: int = 64  # r, coordinates kept per cached vector (0 or >= d: all of them, no projection)
+    damping: float = 0.1  # lambda = damping x mean eigenvalue of A (x) S
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "docs_per_chunk", "sequences_per_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError("seq_len must be >= 2: a sequence needs a token and its next token")
+        if self.max_sequences is not None and self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if not self.damping > 0:
+            raise ValueError(f"damping must be > 0, got {self.damping}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Work files of the fit pass: per target token, appended in sequence order; truncated to the checkpoint on resume.
+
+
+class TokenFiles:
+    """z (N, d), e (N, d), prototype ids (N, k), activations (N, k), sequence, position, target (N,): flat files."""
+
+    def __init__(self, folder: Path, d_model: int, top_k: int) -> None:
+        self.folder = folder
+        self.layout = {"z": (np.float32, d_model), "e": (np.float32, d_model), "ids": (np.int32, top_k),
+                       "acts": (np.float32, top_k), "seq": (np.int32, 1), "pos": (np.int32, 1), "y": (np.int32, 1)}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        return self.folder / f"{name}.bin"
+
+    def truncate(self, n_tokens: int) -> None:
+        for name, (dtype, width) in self.layout.items():
+            path = self.path(name)
+            with path.open("ab") as f:
+                f.truncate(n_tokens * width * np.dtype(dtype).itemsize)
+
+    def append(self, stats: TokenStats, sequence_offset: int) -> None:
+        values = {"z": stats.z, "e": stats.e, "ids": stats.prototype_ids, "acts": stats.activations,
+                  "seq": stats.sequence + sequence_offset, "pos": stats.position, "y": stats.target}
+        for name, (dtype, _) in self.layout.items():
+            with self.path(name).open("ab") as f:
+                f.write(values[name].numpy().astype(dtype).tobytes())
+
+    def read(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+        out = {}
+        for name, (dtype, width) in self.layout.items():
+            size = np.dtype(dtype).itemsize * width
+            with self.path(name).open("rb") as f:
+                f.seek(lo * size)
+                out[name] = np.frombuffer(f.read((hi - lo) * size), dtype=dtype).reshape(hi - lo, width)
+        return out
+
+
+class FitState:
+    """The fit pass's running state: curvature sums, the sequences and documents seen, how far it got."""
+
+    SEQUENCE_FIELDS = ("doc_index", "seq_token_start", "seq_token_end", "char_start", "char_end", "n_targets",
+                       "loss")
+
+    def __init__(self, model: PrismForCausalLM) -> None:
+        self.curvature = CurvatureAccumulator(model.config.n_prototypes, model.d_model, model.vocab_size)
+        self.sequences: dict[str, list] = {name: [] for name in self.SEQUENCE_FIELDS}
+        self.docs_seen = 0
+        self.docs_bytes = 0  # length of docs.jsonl that belongs to the checkpoint
+        self.chunks = 0
+        self.complete = False
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.sequences["doc_index"])
+
+    @property
+    def n_tokens(self) -> int:
+        return self.curvature.n_tokens
+
+    def save(self, folder: Path) -> None:
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        np.savez(tmp / "arrays.npz", **self.curvature.state(),
+                 **{f"seq_{k}": np.asarray(v) for k, v in self.sequences.items()})
+        (tmp / "state.json").write_text(json.dumps({"docs_seen": self.docs_seen, "docs_bytes": self.docs_bytes,
+                                                     "chunks": self.chunks, "complete": self.complete}))
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+
+    @classmethod
+    def load(cls, folder: Path, model: PrismForCausalLM) -> FitState:
+        state = cls(model)
+        if not folder.exists() and folder.with_name(folder.name + ".old").exists():
+            folder = folder.with_name(folder.name + ".old")  # killed between the two renames
+        if not folder.exists():
+            return state
+        with np.load(folder / "arrays.npz") as arrays:
+            state.curvature.load({k: arrays[k] for k in ("coactivation", "output_moment", "prob_sum", "n_tokens")})
+            state.sequences = {k: arrays[f"seq_{k}"].tolist() for k in cls.SEQUENCE_FIELDS}
+        meta = json.loads((folder / "state.json").read_text())
+        state.docs_seen, state.docs_bytes = meta["docs_seen"], meta["docs_bytes"]
+        state.chunks, state.complete = meta["chunks"], meta["complete"]
+        return state
+
+
+def work_folder(db: Path) -> Path:
+    return db.with_name(db.name + ".attribution")
+
+
+def _kill_at(kind: str, chunk: int) -> None:
+    if os.environ.get(KILL_HOOK, "") == f"{kind}:{chunk}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pass 1: fit.
+
+
+@torch.no_grad()
+def _process_windows(model: PrismForCausalLM, windows: list[Window], state: FitState, files: TokenFiles,
+                     pad_id: int) -> None:
+    B, T = len(windows), max(len(w.ids) for w in windows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b, w in enumerate(windows):
+        input_ids[b, : len(w.ids)] = torch.from_numpy(w.ids.astype(np.int64))
+        mask[b, : len(w.ids)] = 1
+    z, _ = model.final_states(input_ids, attention_mask=mask)  # (B, T, d)
+    stats = token_statistics(model, z, next_token_targets(input_ids, mask))
+    offset = state.n_sequences
+    files.append(stats, offset)
+    state.curvature.add(stats)
+    n_targets = torch.bincount(stats.sequence, minlength=B)
+    losses = torch.zeros(B, dtype=torch.float64).index_add_(0, stats.sequence, stats.loss.double())
+    for b, w in enumerate(windows):
+        seq = state.sequences
+        seq["doc_index"].append(w.doc_index)
+        seq["seq_token_start"].append(w.seq_start)
+        seq["seq_token_end"].append(w.seq_start + len(w.ids))
+        seq["char_start"].append(int(w.offsets[0, 0]))
+        seq["char_end"].append(int(w.offsets[-1, 1]))
+        seq["n_targets"].append(int(n_targets[b]))
+        seq["loss"].append(float(losses[b]))
+
+
+def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, work: Path) -> FitState:
+    """Pass 1, resumable: every training window once through the model."""
+    state = FitState.load(work / "fit", model)
+    files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
+    files.truncate(state.n_tokens)
+    docs_file = work / "docs.jsonl"
+    with docs_file.open("ab") as f:
+        f.truncate(state.docs_bytes)
+    if state.complete:
+        return state
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    bar = tqdm(desc="attribution: fit", unit="seq", initial=state.n_sequences, total=args.max_sequences)
+    chunk: list[Window] = []
+    chunk_docs = 0
+
+    def flush() -> None:
+        for lo in range(0, len(chunk), args.batch_size):
+            _process_windows(model, chunk[lo: lo + args.batch_size], state, files, pad_id)
+        bar.update(len(chunk))
+        state.chunks += 1
+        _kill_at("fit", state.chunks)
+        state.docs_bytes = docs_file.stat().st_size
+        state.save(work / "fit")
+
+    for position, doc in enumerate(documents):
+        if position < state.docs_seen:
+            continue
+        if args.limit is not None and position >= args.limit:
+            break
+        room = None if args.max_sequences is None else args.max_sequences - state.n_sequences - len(chunk)
+        if room is not None and room <= 0:
+            break
+        windows, n_tokens = document_windows(position, doc.text, tokenizer, args.seq_len)
+        windows = [w for w in windows if len(w.ids) >= 2][:room]
+        if windows:
+            row = {"doc_index": position, "doc_id": doc.doc_id, "source": doc.source, "url": doc.url,
+                   "title": doc.title, "text": doc.text, "sha256": doc.sha256, "n_chars": len(doc.text),
+                   "n_tokens": n_tokens}
+            with docs_file.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        chunk.extend(windows)
+        chunk_docs += 1
+        state.docs_seen = position + 1
+        if chunk_docs == args.docs_per_chunk:
+            flush()
+            chunk, chunk_docs = [], 0
+    if chunk_docs:
+        flush()
+    bar.close()
+    state.complete = True
+    state.save(work / "fit")
+    if state.n_sequences == 0:
+        raise ValueError("the corpus gave no training sequence (every document is shorter than two tokens)")
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Passes 2 and 3: factors, vectors.
+
+
+def _sequence_token_ranges(state: FitState) -> np.ndarray:
+    """(n_sequences + 1,) offsets of each sequence's tokens in the token files."""
+    offsets = np.zeros(state.n_sequences + 1, np.int64)
+    offsets[1:] = np.cumsum(state.sequences["n_targets"])
+    return offsets
+
+
+def _rows_for(model: PrismForCausalLM, files: TokenFiles, offsets: np.ndarray, lo: int, hi: int) -> SequenceRows:
+    """Exact sparse rows G_{s,i} of sequences [lo, hi) from the work files."""
+    t = files.read(int(offsets[lo]), int(offsets[hi]))
+    n = len(t["z"])
+    stats = TokenStats(z=torch.from_numpy(t["z"].copy()), e=torch.from_numpy(t["e"].copy()), m=torch.zeros(n, 0),
+                       prototype_ids=torch.from_numpy(t["ids"].astype(np.int64)),
+                       activations=torch.from_numpy(t["acts"].copy()),
+                       sequence=torch.from_numpy(t["seq"][:, 0].astype(np.int64)),
+                       position=torch.from_numpy(t["pos"][:, 0].astype(np.int64)),
+                       target=torch.from_numpy(t["y"][:, 0].astype(np.int64)), loss=torch.zeros(n),
+                       prob_sum=torch.zeros(0))
+    return sequence_gradients(model.prototypes.weight, stats)
+
+
+def _factor_rows(name: str, matrix: np.ndarray) -> list[tuple[str, int, np.ndarray]]:
+    matrix = np.atleast_2d(np.asarray(matrix, np.float32))
+    return [(name, i, row) for i, row in enumerate(matrix)]
+
+
+def _write_factors(con, model, tokenizer, state: FitState, work: Path, args: AttributionArgs,
+                   files: TokenFiles, offsets: np.ndarray) -> None:
+    """Pass 2: curvature, projection basis; documents, sequences and factors in one transaction."""
+    curvature = state.curvature.finish(model.lm_head.weight, args.damping)
+    whitening = curvature.block_whitening()
+    d = model.d_model
+    rank = d if args.rank == 0 or args.rank >= d else args.rank
+    moment = torch.zeros(d, d, dtype=torch.float64)
+    if rank < d:
+        for lo in tqdm(range(0, state.n_sequences, args.sequences_per_chunk), desc="attribution: basis"):
+            rows = _rows_for(model, files, offsets, lo, min(lo + args.sequences_per_chunk, state.n_sequences))
+            w = whitening(rows.prototype, rows.softmax_part(model.lm_head.weight)).double()
+            moment += w.T @ w
+    basis = whitened_basis(moment, rank)  # (d, r)
+    docs = [json.loads(line) for line in (work / "docs.jsonl").read_text(encoding="utf-8").splitlines()]
+    doc_id_of = {d["doc_index"]: d["doc_id"] for d in docs}
+    seq = state.sequences
+    sequences = pa.table({
+        "sequence_id": np.arange(state.n_sequences, dtype=np.int32),
+        "doc_id": [doc_id_of[i] for i in seq["doc_index"]],
+        **{k: np.asarray(seq[k], np.int32) for k in ("seq_token_start", "seq_token_end", "char_start", "char_end",
+                                                      "n_targets")},
+        "loss": np.asarray(seq["loss"], np.float64)})
+    documents = pa.Table.from_pylist([{k: v for k, v in d.items() if k != "doc_index"} for d in docs])
+    factors = (_factor_rows("coactivation", curvature.coactivation.numpy())
+               + _factor_rows("output_vectors", curvature.output_vectors.numpy())
+               + _factor_rows("output_values", curvature.output_values.numpy())
+               + _factor_rows("basis", basis.numpy()) + _factor_rows("damping", [[curvature.damping]]))
+    with transaction(con):
+        for table in ("attribution_documents", "attribution_sequences", "attribution_factors", "attribution_vectors"):
+            con.execute(f"DELETE FROM {table}")  # names from the schema module
+        for name, frame in (("attribution_documents", documents), ("attribution_sequences", sequences)):
+            con.register("incoming", frame)
+            columns = ", ".join(frame.column_names)
+            con.execute(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM incoming")
+            con.unregister("incoming")
+        frame = pa.table({"name": [f[0] for f in factors], "row": pa.array([f[1] for f in factors], pa.int32()),
+                          "values": pa.array([f[2] for f in factors], pa.list_(pa.float32()))})
+        con.register("incoming", frame)
+        con.execute('INSERT INTO attribution_factors SELECT name, row, "values" FROM incoming')
+        con.unregister("incoming")
+        set_progress(con, JOB, "phase", "vectors")
+        set_progress(con, JOB, "next_sequence", "0")
+
+
+def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor], state: FitState,
+                   args: AttributionArgs, files: TokenFiles, offsets: np.ndarray) -> int:
+    """Pass 3: the cached vectors, chunk by chunk, each chunk committed with its progress."""
+    whitening, basis = index_parts
+    start = int(get_progress(con, JOB, "next_sequence", "0"))
+    written = 0
+    bar = tqdm(desc="attribution: vectors", unit="seq", initial=start, total=state.n_sequences)
+    for chunk_number, lo in enumerate(range(start, state.n_sequences, args.sequences_per_chunk), start=1):
+        hi = min(lo + args.sequences_per_chunk, state.n_sequences)
+        rows = _rows_for(model, files, offsets, lo, hi)
+        vectors = (whitening(rows.prototype, rows.softmax_part(model.lm_head.weight)) @ basis).numpy()  # (n, r)
+        offs = pa.array(rows.offsets.numpy().astype(np.int32))
+        frame = pa.table({
+            "prototype_id": rows.prototype.numpy().astype(np.int32),
+            "sequence_id": rows.sequence.numpy().astype(np.int32),
+            "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()),
+                                                        vectors.shape[1]).cast(pa.list_(pa.float32())),
+            "token_positions": pa.ListArray.from_arrays(offs, pa.array(rows.entry_position.numpy().astype(np.int32))),
+            "activations": pa.ListArray.from_arrays(offs, pa.array(rows.entry_activation.numpy(), pa.float32())),
+            "target_ids": pa.ListArray.from_arrays(offs, pa.array(rows.entry_target.numpy().astype(np.int32))),
+        })
+        with transaction(con):
+            con.register("incoming", frame)
+            con.execute("INSERT INTO attribution_vectors SELECT prototype_id, sequence_id, vector, token_positions, "
+                        "activations, target_ids FROM incoming")
+            con.unregister("incoming")
+            set_progress(con, JOB, "next_sequence", str(hi))
+        written += len(frame)
+        bar.update(hi - lo)
+        _kill_at("vectors", chunk_number)
+    bar.close()
+    return written
+
+
+def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, job_args: dict,
+        overwrite: bool = False) -> dict | None:
+    """Run (or resume) the attribution job into the database; None when it is already built with these
+    arguments. `documents` is a re-iterable of precompute.corpus.Document in a deterministic order."""
+    db = Path(db)
+    work = work_folder(db)
+    con = connect(db)
+    try:
+        status = start_job(con, JOB, {**job_args, **asdict(args)}, overwrite=overwrite)
+        if status == "done":
+            logger.info("attribution already built with these arguments in %s", db)
+            shutil.rmtree(work, ignore_errors=True)
+            return None
+        if status == "new":
+            shutil.rmtree(work, ignore_errors=True)
+        model.eval()
+        state = run_fit(model, tokenizer, documents, args, work)
+        files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
+        offsets = _sequence_token_ranges(state)
+        if get_progress(con, JOB, "phase") != "vectors":
+            _write_factors(con, model, tokenizer, state, work, args, files, offsets)
+        factors = load_factors(con)
+        written = _write_vectors(con, model, _index_parts(factors), state, args, files, offsets)
+        with transaction(con):
+            finish_job(con, JOB)
+        summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
+                   "rows": con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0],
+                   "rows_this_run": written, "rank": int(factors["basis"].shape[1])}
+    finally:
+        con.close()
+    shutil.rmtree(work, ignore_errors=True)
+    logger.info("attribution: %s", summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Read side (the app, the benchmark): factors, the in-memory index, rows with documents and highlighted spans.
+
+
+def has_attribution(con: duckdb.DuckDBPyConnection) -> bool:
+    return job_done(con, JOB)
+
+
+def load_factors(con: duckdb.DuckDBPyConnection) -> dict[str, np.ndarray]:
+    """Every named matrix of attribution_factors as float32 arrays (rows in order)."""
+    cursor = con.cursor()
+    try:
+        table = cursor.sql('SELECT name, "values" FROM attribution_factors ORDER BY name, row').to_arrow_table()
+    finally:
+        cursor.close()
+    names = np.asarray(table.column("name").to_pylist())
+    values = table.column("values").combine_chunks()
+    flat = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    offsets = values.offsets.to_numpy()
+    out = {}
+    for name in dict.fromkeys(names.tolist()):
+        rows = np.flatnonzero(names == name)
+        lo, hi = offsets[rows[0]], offsets[rows[-1] + 1]
+        out[name] = flat[lo:hi].reshape(len(rows), -1)
+    return out
+
+
+def _index_parts(factors: dict[str, np.ndarray]) -> tuple[BlockWhitening, torch.Tensor]:
+    whitening = BlockWhitening(output_vectors=torch.from_numpy(factors["output_vectors"]),
+                               output_values=torch.from_numpy(factors["output_values"][0]),
+                               coactivation_diag=torch.from_numpy(np.diagonal(factors["coactivation"]).copy()),
+                               damping=float(factors["damping"][0, 0]))
+    return whitening, torch.from_numpy(factors["basis"])
+
+
+def load_curvature(con: duckdb.DuckDBPyConnection, factors: dict[str, np.ndarray] | None = None) -> Curvature:
+    """The stored curvature A (x) S + lambda (the reference level; the coupled query side of the cached level)."""
+    f = load_factors(con) if factors is None else factors
+    return Curvature.from_eigen(torch.from_numpy(f["coactivation"]), torch.from_numpy(f["output_vectors"]),
+                                torch.from_numpy(f["output_values"][0]), float(f["damping"][0, 0]))
+
+
+def load_index(con: duckdb.DuckDBPyConnection, output_embeddings: torch.Tensor, mode: str = "coupled",
+               extra: int | None = None, coverage: float = 0.9, batch_rows: int = 1 << 16) -> CachedIndex:
+    """Every cached vector and entry in memory, grouped by prototype (what a query reads); streamed from the
+    database in batches into preallocated arrays, so loading never holds two copies. output_embeddings: the
+    model's LM head weight W (V, d)."""
+    if not has_attribution(con):
+        raise LookupError(BUILD_HINT)
+    factors = load_factors(con)
+    whitening, basis = _index_parts(factors)
+    rank = basis.shape[1]
+    n_rows, n_entries = con.execute("SELECT count(*), coalesce(sum(len(activations)), 0) "
+                                    "FROM attribution_vectors").fetchone()
+    prototype_ids, sequence_ids = np.empty(n_rows, np.int64), np.empty(n_rows, np.int64)
+    vectors, counts = np.empty((n_rows, rank), np.float32), np.empty(n_rows, np.int64)
+    targets, activations = np.empty(n_entries, np.int64), np.empty(n_entries, np.float32)
+    cursor = con.cursor()  # a relation streams from a connection with no other result pending
+    try:
+        reader = cursor.sql("SELECT prototype_id, sequence_id, vector, activations, target_ids "
+                            "FROM attribution_vectors ORDER BY prototype_id, sequence_id").to_arrow_reader(batch_rows)
+        row = entry = 0
+        for batch in reader:
+            n = batch.num_rows
+            prototype_ids[row: row + n] = batch.column(0).to_numpy()
+            sequence_ids[row: row + n] = batch.column(1).to_numpy()
+            vectors[row: row + n] = batch.column(2).flatten().to_numpy(zero_copy_only=False).reshape(n, rank)
+            acts = batch.column(3)
+            counts[row: row + n] = np.diff(acts.offsets.to_numpy())
+            m = int(counts[row: row + n].sum())
+            activations[entry: entry + m] = acts.flatten().to_numpy(zero_copy_only=False)
+            targets[entry: entry + m] = batch.column(4).flatten().to_numpy(zero_copy_only=False)
+            row, entry = row + n, entry + m
+    finally:
+        cursor.close()
+    n_sequences = con.execute("SELECT count(*) FROM attribution_sequences").fetchone()[0]
+    coupling = load_curvature(con, factors) if mode == "coupled" else None
+    return CachedIndex(whitening, basis, prototype_ids, sequence_ids, vectors, counts, targets, activations,
+                       output_embeddings, n_sequences, len(factors["coactivation"]), coupling=coupling, mode=mode,
+                       extra=extra, coverage=coverage)
+
+
+def sequences(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    """Every training sequence with its document pointers, by sequence_id."""
+    cur = con.execute("SELECT s.sequence_id, s.doc_id, s.seq_token_start, s.seq_token_end, s.char_start, s.char_end, "
+                      "s.n_targets, d.text, d.sha256 FROM attribution_sequences s "
+                      "JOIN attribution_documents d USING (doc_id) ORDER BY s.sequence_id")
+    names = [c[0] for c in cur.description]
+    return [dict(zip(names, r)) for r in cur.fetchall()]
+
+
+def document_text(doc_id: str, text: str | None, sha256: str) -> str:
+    """The stored text, or for a pointer-only database the installed corpus's text checked against sha256."""
+    if text is not None:
+        return text
+    from precompute.query import _resolve_text
+
+    return _resolve_text(doc_id, sha256)
+
+
+def sequence_token_ids(con: duckdb.DuckDBPyConnection, tokenizer) -> list[np.ndarray]:
+    """The exact input ids of every training sequence, re-tokenized from its document (as the job did)."""
+    out, cache = [], {}
+    for row in sequences(con):
+        if row["doc_id"] not in cache:
+            text = document_text(row["doc_id"], row["text"], row["sha256"])
+            cache = {row["doc_id"]: np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)}
+        out.append(cache[row["doc_id"]][row["seq_token_start"]: row["seq_token_end"]])
+    return out
+
+
+def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: list[int], scores: np.ndarray,
+                     parts: dict[int, np.ndarray], context_chars: int = 240) -> list[dict]:
+    """The top training sequences as the app shows them: score, document, spans, the prototypes that carry the
+    score, and the text around the tokens where those prototypes are active, highlighted by their share."""
+    if not sequence_ids:
+        return []
+    marks = ", ".join("?" for _ in sequence_ids)
+    cur = con.execute(f"""
+        SELECT s.sequence_id, s.doc_id, s.seq_token_start, s.seq_token_end, s.char_start, s.char_end,
+               d.source, d.url, d.title, d.text, d.sha256
+        FROM attribution_sequences s JOIN attribution_documents d USING (doc_id)
+        WHERE s.sequence_id IN ({marks})""", [int(s) for s in sequence_ids])
+    names = [c[0] for c in cur.description]
+    meta = {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
+    proto_ids = sorted(parts)
+    where = ", ".join("?" for _ in proto_ids) or "NULL"
+    active = con.execute(f"""
+        SELECT sequence_id, prototype_id, token_positions, activations FROM attribution_vectors
+        WHERE sequence_id IN ({marks}) AND prototype_id IN ({where})""",
+                         [int(s) for s in sequence_ids] + proto_ids).fetchall()
+    out = []
+    for rank, sid in enumerate(sequence_ids):
+        row = meta[int(sid)]
+        text, error = None, None
+        try:
+            text = document_text(row["doc_id"], row.pop("text"), row["sha256"])
+        except (KeyError, ValueError, ImportError) as err:
+            error = str(err)
+        shares = {p: float(parts[p][sid]) for p in proto_ids}
+        weight: dict[int, float] = {}  # token position in the sequence -> highlight weight
+        for s, p, positions, acts in active:
+            if s == sid:
+                for pos, act in zip(positions, acts):
+                    weight[pos] = weight.get(pos, 0.0) + float(act) * max(shares[p], 0.0)
+        segments = [] if text is None else _highlight(text, tokenizer, row, weight, context_chars)
+        out.append({**row, "rank": rank, "score": float(scores[sid]),
+                    "prototypes": [{"prototype_id": p, "contribution": shares[p]}
+                                   for p in sorted(proto_ids, key=lambda p: -shares[p])],
+                    "segments": segments, "error": error})
+    return out
+
+
+def _highlight(text: str, tokenizer, row: dict, weight: dict[int, float], context_chars: int) -> list[dict]:
+    """The sequence's text as segments {text, activation in [0, 1], target}: tokens weighted by `weight`, the
+    heaviest one the target, cut to context_chars around the highlighted tokens."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"][row["seq_token_start"]: row["seq_token_end"]]
+    lo_char, hi_char = row["char_start"], row["char_end"]
+    top = max(weight.values(), default=0.0)
+    if top > 0:
+        marked = [offsets[p] for p in weight if p < len(offsets)]
+        lo_char = max(lo_char, min(a for a, _ in marked) - context_chars)
+        hi_char = min(hi_char, max(b for _, b in marked) + context_chars)
+    best = max(weight, key=weight.get) if top > 0 else None
+    pieces, cursor = [], lo_char
+    for pos, (a, b) in enumerate(offsets):
+        if b <= lo_char or a >= hi_char:
+            continue
+        if a > cursor:
+            pieces.append({"text": text[cursor:a], "activation": 0.0, "target": False})
+        w = weight.get(pos, 0.0) / top if top > 0 else 0.0
+        pieces.append({"text": text[max(a, cursor):b], "activation": w, "target": pos == best})
+        cursor = b
+    return pieces
+
+
+def rows_html(rows: list[dict]) -> str:
+    """Escaped HTML cards for attribution rows (the app's panel)."""
+    from precompute.query import segments_html
+
+    cards = []
+    for r in rows:
+        source = html.escape(r.get("title") or r.get("doc_id") or "")
+        url = r.get("url") or ""
+        if url.startswith(("http://", "https://")):
+            source = (f'<a href="{html.escape(url, quote=True)}" target="_blank" rel="noopener noreferrer">'
+                      f"{source or html.escape(url)}</a>")
+        shares = [p for p in r["prototypes"] if p["contribution"] != 0][:4]
+        via = ", ".join(f"#{p['prototype_id']} {_number(p['contribution'])}" for p in shares)
+        body = html.escape(r["error"]) if r.get("error") else segments_html(r["segments"])
+        cards.append(
+            f'<div class="prism-evidence prism-attribution"><div class="prism-evidence-text">…{body}…</div>'
+            f'<div class="prism-evidence-source">#{r["rank"] + 1} · score {_number(r["score"])} · via {via} · '
+            f'{source} '
+            f'({html.escape(r.get("source") or "")}, {html.escape(r["doc_id"])}, tokens {r["seq_token_start"]}'
+            f'–{r["seq_token_end"]}, characters {r["char_start"]}–{r["char_end"]})</div></div>')
+    return "".join(cards)
+
+
+def _number(x: float) -> str:
+    """A signed score for people: whole numbers when large, three significant digits when small."""
+    return f"{x:+,.0f}" if abs(x) >= 100 else f"{x:+.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line.
+
+
+def add_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> None:
+    """The job's flags. shared=True: only those `python -m precompute build` does not already have (seq-len,
+    batch-size, docs-per-chunk and limit come from the evidence flags there, so both jobs cut the same windows)."""
+    defaults = AttributionArgs()
+    if not shared:
+        for name in ("seq_len", "batch_size", "docs_per_chunk"):
+            parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+        parser.add_argument("--limit", type=int, default=None, help="read at most this many documents")
+    parser.add_argument("--attribution-rank", type=int, default=defaults.rank,
+                        help="coordinates kept per cached vector (0: all d, no projection)")
+    parser.add_argument("--attribution-damping", type=float, default=defaults.damping,
+                        help="damping, relative to the mean eigenvalue of the curvature")
+    parser.add_argument("--attribution-max-sequences", type=int, default=None,
+                        help="stop after this many training sequences (default: every window of the corpus)")
+    parser.add_argument("--attribution-chunk", type=int, default=defaults.sequences_per_chunk,
+                        help="training sequences per committed chunk of cached vectors")
+
+
+def attribution_args(ns: argparse.Namespace) -> AttributionArgs:
+    return AttributionArgs(seq_len=ns.seq_len, batch_size=ns.batch_size, docs_per_chunk=ns.docs_per_chunk,
+                           limit=ns.limit, max_sequences=ns.attribution_max_sequences, rank=ns.attribution_rank,
+                           damping=ns.attribution_damping, sequences_per_chunk=ns.attribution_chunk)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m precompute.attribution", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", required=True, help="a folder written by PrismForCausalLM.save_pretrained with its "
+                                                       "tokenizer beside it, or 'default'")
+    parser.add_argument("--corpus", required=True, help="a path, a hub dataset id (id[:config]) or 'default'")
+    parser.add_argument("--db", required=True, help="the DuckDB file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace results made with other arguments")
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    from precompute.__main__ import load_corpus, load_model
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args = attribution_args(ns)
+        model, tokenizer, model_info = load_model(ns.model)
+        documents, corpus_info = load_corpus(ns.corpus)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    return run(ns.db, model, tokenizer, documents, args, {"model": model_info, "corpus": corpus_info},
+               overwrite=ns.overwrite)
+
+
+if __name__ == "__main__":
+    main()

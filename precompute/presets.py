@@ -1,0 +1,197 @@
+"""Intervention presets: named sets of prototypes, found in the database by a stated rule, that switch a behaviour
+off in one click. The app offers them as buttons; bench/behaviour_removal.py measures exactly the stored set.
+
+    python -m precompute.presets --db out.duckdb                      # the job: find and store every preset
+    python -m precompute.presets --db out.duckdb --show kjv-register  # list a stored preset's prototypes
+
+A preset names a behaviour by its marker words (the King James register: thee, thou, hath, unto, saith, ...).
+Its prototypes are those the database ties to the markers in any of three ways; each prototype keeps its reasons:
+- label:      its label (labels job) contains a marker word;
+- next_token: at least --min-share of the tokens that follow its evidence (next_tokens) are marker words, so the
+              prototype is active where the corpus writes them next;
+- signature:  a marker word is among the top --signature-top tokens of its logit signature W p_i, so its slice
+              pushes the markers up wherever it is active.
+Needs the evidence job (next_tokens, logit_signatures) and, for the label rule, the labels job. The job is cheap
+(a few SQL queries) and idempotent like every job: its arguments are stored, other arguments need --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from precompute.runs import JobArgsMismatch, connect, finish_job, start_job, transaction
+
+logger = logging.getLogger("precompute.presets")
+
+JOB = "presets"
+REASONS = ("label", "next_token", "signature")
+
+
+@dataclass(frozen=True)
+class PresetSpec:
+    name: str  # stable id, used in the database, the app and the API
+    title: str  # what the app's button says
+    description: str
+    markers: tuple[str, ...]  # lower-case marker words of the behaviour
+
+    def marker_pattern(self) -> re.Pattern:
+        """Whole-word, case-insensitive match of any marker (for counting them in text)."""
+        return re.compile(r"\b(" + "|".join(re.escape(m) for m in self.markers) + r")\b", re.IGNORECASE)
+
+
+PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
+    PresetSpec(
+        name="kjv-register",
+        title="Remove the King James register",
+        description="Suppress the prototypes behind the archaic pronouns and verb forms the King James Bible "
+                    "teaches (thee, thou, thy, hath, unto, saith, ...), so prompts in biblical style continue in "
+                    "modern words.",
+        markers=("thee", "thou", "thy", "thine", "ye", "hath", "hast", "doth", "dost", "saith", "shalt", "wilt",
+                 "unto", "spake", "begat"),
+    ),
+)}
+
+
+@dataclass
+class PresetArgs:
+    min_share: float = 0.3  # next_token rule: share of marker words among the tokens after the evidence
+    signature_top: int = 10  # signature rule: how many of W p_i's top tokens are looked at
+    rules: tuple[str, ...] = REASONS
+    presets: tuple[str, ...] = field(default_factory=lambda: tuple(PRESETS))
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_share <= 1:
+            raise ValueError(f"--min-share must be in (0, 1], got {self.min_share}")
+        if self.signature_top < 1:
+            raise ValueError(f"--signature-top must be >= 1, got {self.signature_top}")
+        unknown = sorted(set(self.rules) - set(REASONS))
+        if unknown or not self.rules:
+            raise ValueError(f"rules must be a non-empty subset of {', '.join(REASONS)}, got {list(self.rules)}")
+        unknown = sorted(set(self.presets) - set(PRESETS))
+        if unknown:
+            raise ValueError(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
+
+
+def find_prototypes(con: duckdb.DuckDBPyConnection, spec: PresetSpec, args: PresetArgs) -> dict[int, list[str]]:
+    """{prototype_id: [reasons]} for one preset (module docstring). Token texts are compared stripped and
+    lower-cased, so ' Thee' and 'thee' both count."""
+    markers = [m.lower() for m in spec.markers]
+    found: dict[int, list[str]] = {}
+
+    def add(rows, reason):
+        for (pid,) in rows:
+            found.setdefault(int(pid), []).append(reason)
+
+    if "label" in args.rules:
+        # A marker as a word of the label: labels are short phrases such as "thee after verbs".
+        pattern = r"\b(" + "|".join(re.escape(m) for m in markers) + r")\b"
+        add(con.execute("SELECT prototype_id FROM labels WHERE regexp_matches(lower(label), ?) ORDER BY 1",
+                        [pattern]).fetchall(), "label")
+    if "next_token" in args.rules:
+        add(con.execute("""
+            SELECT prototype_id FROM next_tokens
+            GROUP BY prototype_id
+            HAVING sum(count) FILTER (WHERE list_contains(?, lower(trim(token)))) >= ? * sum(count)
+            ORDER BY 1""", [markers, args.min_share]).fetchall(), "next_token")
+    if "signature" in args.rules:
+        add(con.execute("""
+            SELECT DISTINCT prototype_id FROM logit_signatures
+            WHERE rank < ? AND list_contains(?, lower(trim(token)))
+            ORDER BY 1""", [args.signature_top, markers]).fetchall(), "signature")
+    return dict(sorted(found.items()))
+
+
+def run(con: duckdb.DuckDBPyConnection, args: PresetArgs, overwrite: bool = False) -> dict[str, int]:
+    """Find and store every preset in args.presets; returns {name: number of prototypes}."""
+    status = start_job(con, JOB, asdict(args), overwrite=overwrite)
+    if status == "done":
+        return {name: n for name, n in con.execute(
+            "SELECT name, count(*) FROM presets GROUP BY name ORDER BY name").fetchall()}
+    if "label" in args.rules and con.execute("SELECT count(*) FROM labels").fetchone()[0] == 0:
+        raise RuntimeError("the label rule needs the labels job: run it first (or leave 'label' out of --rules)")
+    if con.execute("SELECT count(*) FROM next_tokens").fetchone()[0] == 0:
+        raise RuntimeError("presets need the evidence job's next_tokens and logit_signatures: run it first")
+    counts = {}
+    with transaction(con):  # every preset at once: a killed job leaves nothing and simply runs again
+        con.execute("DELETE FROM presets")
+        for name in args.presets:
+            found = find_prototypes(con, PRESETS[name], args)
+            if found:
+                con.executemany("INSERT INTO presets VALUES (?, ?, ?)",
+                                [[name, pid, reasons] for pid, reasons in found.items()])
+            counts[name] = len(found)
+            logger.info("preset %s: %d prototypes", name, len(found))
+        finish_job(con, JOB)
+    return counts
+
+
+def preset_prototypes(con: duckdb.DuckDBPyConnection, name: str) -> list[dict]:
+    """A stored preset's prototypes, [{prototype_id, reasons, label, category}], in id order."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    cur = con.execute("""
+        SELECT p.prototype_id, p.reasons, l.label, l.category
+        FROM presets p LEFT JOIN labels l USING (prototype_id)
+        WHERE p.name = ? ORDER BY p.prototype_id""", [name])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m precompute.presets", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = PresetArgs()
+    parser.add_argument("--db", required=True, help="the precompute DuckDB file (evidence and labels jobs done)")
+    parser.add_argument("--min-share", type=float, default=defaults.min_share,
+                        help="next_token rule: share of marker words among the tokens that follow the evidence")
+    parser.add_argument("--signature-top", type=int, default=defaults.signature_top,
+                        help="signature rule: top tokens of W p_i looked at")
+    parser.add_argument("--rules", default=",".join(REASONS), help="comma-separated subset of " + ", ".join(REASONS))
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated subset of " + ", ".join(PRESETS))
+    parser.add_argument("--overwrite", action="store_true", help="replace presets found with other arguments")
+    parser.add_argument("--show", metavar="NAME", help="list a stored preset's prototypes (read-only) and stop")
+    return parser
+
+
+def preset_args(ns: argparse.Namespace) -> PresetArgs:
+    split = lambda text: tuple(s.strip() for s in text.split(",") if s.strip())  # noqa: E731
+    return PresetArgs(min_share=ns.min_share, signature_top=ns.signature_top, rules=split(ns.rules),
+                      presets=split(ns.presets))
+
+
+def main(argv: list[str] | None = None) -> dict | list[dict]:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if ns.show:
+            con = connect(ns.db, read_only=True)
+            try:
+                rows = preset_prototypes(con, ns.show)
+            finally:
+                con.close()
+            for r in rows:
+                print(f"{r['prototype_id']:>6}  {','.join(r['reasons']):<28} {r['category']}: {r['label']}")  # noqa: T201
+            return rows
+        args = preset_args(ns)
+        if not Path(ns.db).is_file():
+            raise FileNotFoundError(f"no database at {ns.db}: run the evidence and labels jobs first")
+        con = connect(ns.db)
+        try:
+            counts = run(con, args, overwrite=ns.overwrite)
+        finally:
+            con.close()
+    except (JobArgsMismatch, RuntimeError, ValueError, KeyError, FileNotFoundError, duckdb.Error) as err:
+        parser.error(str(err))
+    print("presets: " + ", ".join(f"{name} {n} prototypes" for name, n in counts.items()))  # noqa: T201
+    return counts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Training-data attribution (prism/attribution.py, precompute/attribution.py, bench/attribution.py).
+
+Math against independent computations (autograd for the gradients, dense Kronecker algebra for the curvature), the
+meaning of the answers (a training sequence planted in the query ranks first for the reference and the cached
+level; where the cached approximation leaves nothing out it equals the reference), the job's exactness, resume
+after SIGKILL and idempotence, pointer-only text, the EK-FAC peer and the benchmark end to end on a tiny model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_ids, synthetic_documents, tiny_backbone_dir, tiny_prism
+
+from precompute import attribution as cache
+from precompute.__main__ import main as precompute_main
+from precompute.runs import JobArgsMismatch
+from prism import PrismConfig, PrismForCausalLM
+from prism.attribution import (
+    CachedIndex,
+    CurvatureAccumulator,
+    Query,
+    next_token_targets,
+    query_gradient,
+    reference_scores,
+    sequence_gradients,
+    token_statistics,
+    top_sequences,
+)
+from prism.backbones import load_backbone, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+K, TOP_K, SEQ, RANK = 24, 3, 24, 16  # the tiny backbone has d = 32: the cache keeps half
+PLANTED = "Quixotic zebras vex jumpy wizards while fog blows past old kilns."
+TABLES = ("attribution_documents", "attribution_sequences", "attribution_factors", "attribution_vectors")
+
+
+def _save_model(root: Path, backbone_dir: Path, top_k: int, name: str) -> Path:
+    model = PrismForCausalLM.from_backbone(load_backbone(str(backbone_dir)), PrismConfig(n_prototypes=K, top_k=top_k))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.prototypes.weight.normal_()
+    model.save_pretrained(root / name)
+    load_tokenizer(str(backbone_dir)).save_pretrained(root / name)
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attribution")
+    backbone_dir = tiny_backbone_dir(root / "bb")
+    docs = synthetic_documents(24)
+    docs.insert(12, {"id": "planted", "text": PLANTED})
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return {"root": root, "model": str(_save_model(root, backbone_dir, TOP_K, "model")),
+            "model_k1": str(_save_model(root, backbone_dir, 1, "model_k1")), "corpus": str(corpus)}
+
+
+def _argv(setup, db, *extra, model=None):
+    return ["build", "--model", model or setup["model"], "--corpus", setup["corpus"], "--db", str(db), "--jobs",
+            "attribution", "--seq-len", str(SEQ), "--batch-size", "3", "--docs-per-chunk", "4",
+            "--attribution-rank", str(RANK), "--attribution-chunk", "16", *extra]
+
+
+def _dump(db: Path) -> dict:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return {t: con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall() for t in TABLES}
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def built(setup):
+    db = setup["root"] / "whole.duckdb"
+    precompute_main(_argv(setup, db))
+    return db
+
+
+@pytest.fixture(scope="module")
+def loaded(setup, built):
+    model = PrismForCausalLM.from_pretrained(setup["model"]).eval()
+    tokenizer = load_tokenizer(setup["model"])
+    con = duckdb.connect(str(built), read_only=True)
+    yield {"model": model, "tokenizer": tokenizer, "con": con, "sequences": cache.sequence_token_ids(con, tokenizer),
+           "rows": cache.sequences(con)}
+    con.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Math against independent computations.
+
+
+def _autograd_bank_gradient(model, ids: torch.Tensor) -> torch.Tensor:
+    """d (summed next-token CE of ids (1, T)) / d P through the prototype route, residual held fixed: autograd."""
+    z, _ = model.final_states(ids)
+    z = z.detach()
+    bank = model.prototypes.weight.detach().clone().requires_grad_(True)
+    sims = F.normalize(z, dim=-1) @ F.normalize(bank, dim=-1).T  # (1, T, K)
+    top = sims.topk(model.config.top_k, dim=-1).indices
+    acts = F.relu(sims.gather(-1, top))
+    z_hat = torch.einsum("btk,btkd->btd", acts, bank[top])
+    logits = model.lm_head((z - z_hat).detach() + z_hat)  # numerically the model's logits
+    assert torch.allclose(logits, model(ids).logits, atol=1e-4)
+    loss = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+    return torch.autograd.grad(loss, bank)[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_prototype_gradients_match_autograd(kind):
+    model = tiny_prism(kind, n_prototypes=16, top_k=4)
+    ids = random_ids(3, 10, seed=1)
+    z, _ = model.final_states(ids)
+    rows = sequence_gradients(model.prototypes.weight, token_statistics(model, z, next_token_targets(ids)))
+    for b in range(3):
+        expected = _autograd_bank_gradient(model, ids[b: b + 1])
+        mine = torch.zeros_like(expected)
+        mine.index_add_(0, rows.prototype[rows.sequence == b], rows.rows[rows.sequence == b])
+        torch.testing.assert_close(mine, expected, atol=1e-6, rtol=1e-5)
+        assert set(rows.prototype[rows.sequence == b].tolist()) == set(expected.abs().sum(1).nonzero()[:, 0].tolist())
+    # one token: the query gradient is the gradient of that token's loss alone
+    active, g = query_gradient(model, ids[:1], 6, int(ids[0, 7]))
+    expected = _autograd_bank_gradient(model, ids[:1, :8]) - _autograd_bank_gradient(model, ids[:1, :7])
+    mine = torch.zeros_like(expected).index_add_(0, active, g)
+    torch.testing.assert_close(mine, expected, atol=1e-6, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_curvature_factors_and_inverse_match_a_dense_computation():
+    model = tiny_prism("llama", n_prototypes=6, top_k=3)
+    ids = random_ids(4, 9, seed=2)
+    z, _ = model.final_states(ids)
+    stats = token_statistics(model, z, next_token_targets(ids))
+    acc = CurvatureAccumulator(6, model.d_model, model.vocab_size)
+    acc.add(stats)
+    curvature = acc.finish(model.lm_head.weight, damping=0.1)
+    # the factors, token by token
+    w = model.lm_head.weight.double()
+    dense_a = torch.zeros(len(stats.z), 6, dtype=torch.float64)
+    dense_a.scatter_(1, stats.prototype_ids, stats.activations.double())
+    a_expected = dense_a.T @ dense_a / len(stats.z)
+    probs = model.lm_head(stats.z).double().softmax(-1)  # (N, V)
+    s_expected = sum(w.T @ (torch.diag(p) - torch.outer(p, p)) @ w for p in probs) / len(stats.z)
+    torch.testing.assert_close(curvature.coactivation.double(), a_expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(curvature.output.double(), s_expected, atol=1e-6, rtol=1e-4)
+    lam = curvature.damping
+    assert lam == pytest.approx(0.1 * float(a_expected.trace() / 6 * s_expected.trace() / model.d_model), rel=1e-4)
+    # the inverse through the eigenbases against a dense (K d) x (K d) solve, coupling included
+    d = model.d_model
+    dense = torch.kron(a_expected, s_expected) + lam * torch.eye(6 * d, dtype=torch.float64)
+    g = torch.randn(6, d, dtype=torch.float64)
+    g[[1, 4]] = 0  # a query has few rows
+    expected = torch.linalg.solve(dense, g.reshape(-1)).reshape(6, d)
+    torch.testing.assert_close(curvature.precondition(g.float()).double(), expected, atol=1e-4, rtol=1e-3)
+    active = torch.tensor([0, 2, 3, 5])
+    sparse = curvature.precondition_sparse(active, g[active].float()) @ curvature.output_vectors.T
+    torch.testing.assert_close(sparse.double(), expected, atol=1e-4, rtol=1e-3)
+    # the block whitening: dot products of whitened rows are g^T (A_ii S + lambda)^-1 g'
+    whiten = curvature.block_whitening()
+    other = torch.randn(d, dtype=torch.float64)
+    for i in range(6):
+        block = a_expected[i, i] * s_expected + lam * torch.eye(d, dtype=torch.float64)
+        exact = g[0] @ torch.linalg.solve(block, other)
+        wq = whiten(torch.tensor([i]), g[:1].float())
+        ws = whiten(torch.tensor([i]), other[None].float())
+        assert float(wq @ ws.T) == pytest.approx(float(exact), rel=1e-3, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The job and its meaning.
+
+
+def test_job_writes_sequences_linked_to_documents(setup, built, loaded):
+    con, tok = loaded["con"], loaded["tokenizer"]
+    docs = {json.loads(line)["id"]: json.loads(line)["text"] for line in Path(setup["corpus"]).read_text().splitlines()}
+    rows = loaded["rows"]
+    expected = []
+    for doc_id, text in docs.items():
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        expected += [(doc_id, s, min(s + SEQ, n)) for s in range(0, n, SEQ) if min(s + SEQ, n) - s >= 2]
+    assert [(r["doc_id"], r["seq_token_start"], r["seq_token_end"]) for r in rows] == expected
+    for r, ids in zip(rows, loaded["sequences"]):
+        enc = tok(docs[r["doc_id"]], add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"][r["seq_token_start"]: r["seq_token_end"]]
+        assert (r["char_start"], r["char_end"]) == (offsets[0][0], offsets[-1][1])
+        assert r["n_targets"] == len(ids) - 1
+    factors = cache.load_factors(con)
+    d = loaded["model"].d_model
+    assert factors["coactivation"].shape == (K, K) and factors["output_vectors"].shape == (d, d)
+    assert factors["basis"].shape == (d, RANK) and factors["damping"][0, 0] > 0
+    # every active (prototype, sequence) pair has exactly one row
+    n_pairs = con.execute("SELECT count(*), count(DISTINCT (prototype_id, sequence_id)) FROM attribution_vectors"
+                          ).fetchone()
+    assert n_pairs[0] == n_pairs[1] > len(rows)
+
+
+@torch.no_grad()
+def test_cached_vectors_are_projected_exact_gradients_of_each_sequence(loaded):
+    """Recompute a few sequences alone (no batching, no work files) and compare with what the job stored."""
+    model, con = loaded["model"], loaded["con"]
+    index = cache.load_index(con, model.lm_head.weight)
+    for sid in (0, 7, len(loaded["sequences"]) - 1):
+        ids = torch.from_numpy(loaded["sequences"][sid][None])
+        z, _ = model.final_states(ids)
+        rows = sequence_gradients(model.prototypes.weight, token_statistics(model, z, next_token_targets(ids)))
+        expected = index.project(rows.prototype, rows.softmax_part(model.lm_head.weight)).numpy()
+        stored = {p: index.vectors[index.offsets[p]: index.offsets[p + 1]][index.sequence_ids[
+            index.offsets[p]: index.offsets[p + 1]] == sid][0] for p in rows.prototype.tolist()}
+        np.testing.assert_allclose(np.stack([stored[p] for p in rows.prototype.tolist()]), expected,
+                                   atol=1e-4 * max(1.0, float(np.abs(expected).max())), rtol=1e-3)
+
+
+def _planted_queries(loaded) -> tuple[int, list[Query]]:
+    """Queries that contain the planted document's first window, exactly or with one early token changed.
+
+    In an untrained model influence only sees which tokens are predicted through which prototypes, so the planted
+    content must be identifiable: the queries predict tokens that occur in no other document, at positions in the
+    window's second half (a near duplicate then shares all but one of at least 12 prompt tokens)."""
+    sid = next(r["sequence_id"] for r in loaded["rows"] if r["doc_id"] == "planted" and r["seq_token_start"] == 0)
+    window = [int(t) for t in loaded["sequences"][sid]]
+    elsewhere = {int(t) for r, s in zip(loaded["rows"], loaded["sequences"]) if r["doc_id"] != "planted" for t in s}
+    positions = [t for t in range(SEQ // 2, len(window) - 1) if window[t + 1] not in elsewhere]
+    assert len(positions) >= 3
+    queries = []
+    for t in positions:
+        queries.append(Query(window[: t + 1], t, window[t + 1]))  # the exact training text
+        near = list(window[: t + 1])
+        near[1] = (near[1] + 1) % loaded["model"].vocab_size  # one token changed early in the prompt
+        queries.append(Query(near, t, window[t + 1]))
+    return sid, queries
+
+
+def test_planted_training_sequence_ranks_first_for_reference_and_cached(loaded):
+    model, con = loaded["model"], loaded["con"]
+    sid, queries = _planted_queries(loaded)
+    reference = reference_scores(model, cache.load_curvature(con), queries, loaded["sequences"], batch_size=4)
+    index = cache.load_index(con, model.lm_head.weight)
+    for q, ref in zip(queries, reference):
+        assert int(top_sequences(ref, 1)[0]) == sid
+        cached, parts = index.scores(*query_gradient(model, q.prefix(), q.position, q.token))
+        assert int(top_sequences(cached, 1)[0]) == sid
+        np.testing.assert_allclose(sum(parts.values()), cached, rtol=1e-6, atol=1e-9)
+    # the app's rows: the planted document, its span and the highlighted text
+    cached, parts = index.scores(*query_gradient(model, queries[0].prefix(), queries[0].position, queries[0].token))
+    rows = cache.attribution_rows(con, loaded["tokenizer"], [int(s) for s in top_sequences(cached, 3)], cached, parts)
+    assert rows[0]["doc_id"] == "planted" and rows[0]["score"] == pytest.approx(float(cached[sid]))
+    text = "".join(s["text"] for s in rows[0]["segments"])
+    assert text and text in PLANTED[rows[0]["char_start"]: rows[0]["char_end"]]
+    assert sum(s["target"] for s in rows[0]["segments"]) == 1
+    assert sum(p["contribution"] for p in rows[0]["prototypes"]) == pytest.approx(rows[0]["score"], rel=1e-5)
+    assert "outline" in cache.rows_html(rows)
+
+
+def test_where_the_approximation_leaves_nothing_out_cached_equals_reference(setup, loaded, tmp_path):
+    """k = 1: prototypes are never co-active, A is diagonal: cached (coupled or block) equals the reference.
+    k = 3, reading every prototype: the coupled read is the reference. Both at r = d (no projection)."""
+    for model_dir, modes in ((setup["model_k1"], [("coupled", 0), ("block", 0)]), (setup["model"], [("coupled", K)])):
+        db = tmp_path / f"{Path(model_dir).name}.duckdb"
+        precompute_main([*_argv(setup, db, model=model_dir)[:-4], "--attribution-rank", "0"])
+        model = PrismForCausalLM.from_pretrained(model_dir).eval()
+        con = duckdb.connect(str(db), read_only=True)
+        sequences = cache.sequence_token_ids(con, loaded["tokenizer"])
+        queries = [Query(sequences[j][: t + 1], t, int(sequences[j][t + 1])) for j, t in ((3, 5), (20, 12), (40, 1))]
+        reference = reference_scores(model, cache.load_curvature(con), queries, sequences, batch_size=4)
+        for mode, extra in modes:
+            index = cache.load_index(con, model.lm_head.weight, mode=mode, extra=extra)
+            assert index.rank == model.d_model
+            for q, ref in zip(queries, reference):
+                cached, _ = index.scores(*query_gradient(model, q.prefix(), q.position, q.token))
+                np.testing.assert_allclose(cached, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())
+        con.close()
+
+
+def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
+    for where in ("fit:2", "vectors:2"):
+        db = tmp_path / f"killed-{where.replace(':', '')}.duckdb"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), cache.KILL_HOOK: where}
+        proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == -9, proc.stderr[-2000:]
+        assert cache.work_folder(db).exists()
+        if where.startswith("vectors"):  # two chunks committed, the rest missing
+            con = duckdb.connect(str(db), read_only=True)
+            assert con.execute("SELECT value FROM progress WHERE job = 'attribution' AND key = 'next_sequence'"
+                               ).fetchone()[0] == "32"
+            con.close()
+        precompute_main(_argv(setup, db))
+        assert _dump(db) == _dump(built), where
+        assert not cache.work_folder(db).exists()
+
+
+def test_rerun_is_idempotent_and_other_arguments_are_refused(setup, built, tmp_path, capsys):
+    db = tmp_path / "copy.duckdb"
+    shutil.copyfile(built, db)
+    before = _dump(db)
+    assert precompute_main(_argv(setup, db)) == {"attribution": None}
+    assert _dump(db) == before
+    with pytest.raises(SystemExit):
+        precompute_main([*_argv(setup, db)[:-2], "--attribution-chunk", "5"])
+    assert "other arguments" in capsys.readouterr().err
+    with pytest.raises(JobArgsMismatch):
+        cache.run(db, PrismForCausalLM.from_pretrained(setup["model"]), load_tokenizer(setup["model"]), [],
+                  cache.AttributionArgs(rank=3), {"other": True})
+    assert _dump(db) == before
+
+
+def test_pointer_only_database_reads_attribution_text_back(setup, tmp_path):
+    db, shipped = tmp_path / "default.duckdb", tmp_path / "shipped.duckdb"
+    precompute_main(["build", "--model", setup["model"], "--corpus", "default", "--db", str(db), "--jobs",
+                     "attribution", "--seq-len", "32", "--limit", "2", "--attribution-max-sequences", "6"])
+    precompute_main(["strip-text", "--db", str(db), "--out", str(shipped)])
+    tok = load_tokenizer(setup["model"])
+    full, stripped = duckdb.connect(str(db), read_only=True), duckdb.connect(str(shipped), read_only=True)
+    assert stripped.execute("SELECT count(*) FROM attribution_documents WHERE text IS NOT NULL").fetchone()[0] == 0
+    assert [s.tolist() for s in cache.sequence_token_ids(full, tok)] == \
+        [s.tolist() for s in cache.sequence_token_ids(stripped, tok)]
+    scores = np.arange(6, dtype=np.float64)
+    parts = {0: scores}
+    a = cache.attribution_rows(full, tok, [5, 2], scores, parts)
+    b = cache.attribution_rows(stripped, tok, [5, 2], scores, parts)
+    assert [r["error"] for r in b] == [None, None]
+    assert [r["segments"] for r in a] == [r["segments"] for r in b]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The EK-FAC peer and the benchmark.
+
+
+def test_ekfac_peer_uses_the_same_loss_and_finds_the_planted_sequence(setup, loaded, tmp_path):
+    from prism.attribution_ekfac import EkfacPeer, PrismLanguageModelingTask, SequenceDataset, TopLayers
+
+    model = loaded["model"]
+    sequences = loaded["sequences"]
+    layer = model.n_layers - 1
+    states = [model.states_before_layer(torch.from_numpy(s[None]), layer)[0] for s in sequences]
+    train = SequenceDataset(sequences, lambda i: states[i], SEQ)
+    top = TopLayers(model, layer)
+    batch = {k: torch.stack([train[i][k] for i in range(3)]) for k in ("input_ids", "start_states",
+                                                                        "attention_mask", "labels")}
+    full = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = top(batch["input_ids"], batch["start_states"], batch["attention_mask"])
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(logits[valid], full.logits[valid], atol=1e-4, rtol=1e-4)
+    task = PrismLanguageModelingTask(top.tracked_module_names())
+    expected = sum(float(token_statistics(model, full.z[b: b + 1], next_token_targets(
+        batch["input_ids"][b: b + 1], batch["attention_mask"][b: b + 1])).loss.sum()) for b in range(3))
+    assert float(task.compute_train_loss(batch, top).detach()) == pytest.approx(expected, rel=1e-4)
+    assert all(name.startswith("model.backbone") and f".{layer}." in name for name in task.tracked)
+
+    sid, queries = _planted_queries(loaded)
+    peer_model = PrismForCausalLM.from_pretrained(setup["model"]).eval()  # kronfluence wraps its layers in place
+    peer = EkfacPeer(peer_model, layer, tmp_path / "kronfluence")
+    peer.fit(train, batch_size=8)
+    q_ids = [np.asarray(q.input_ids[: q.position + 1] + (q.token,)) for q in queries[:2]]
+    q_states = [peer_model.states_before_layer(torch.from_numpy(i[None]), layer)[0] for i in q_ids]
+    query_set = SequenceDataset(q_ids, lambda i: q_states[i], max(len(i) for i in q_ids),
+                                target_positions=[[q.position] for q in queries[:2]])
+    scores = peer.scores(query_set, train, query_batch=2, train_batch=8)
+    assert scores.shape == (2, len(sequences))
+    assert int(scores[0].argmax()) == sid  # the exact duplicate
+
+
+def test_bench_runs_end_to_end_on_a_tiny_model(setup, tmp_path, capsys):
+    bench = importlib.import_module("bench.attribution")
+    result = bench.main(["--model", setup["model"], "--db", str(tmp_path / "bench.duckdb"), "--corpus",
+                         setup["corpus"], "--n-train", "40", "--seq-len", str(SEQ), "--n-queries", "4", "--rank", "8",
+                         "--batch-size", "4", "--peer-layers", "1", "--in-process", "--work", str(tmp_path / "w")])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(line) == json.loads(json.dumps(result))
+    for key in ("cached_query_ms", "cached_product_ms", "cached_build_s", "cached_load_s", "cached_peak_rss_mb",
+                "ekfac_query_ms", "ekfac_fit_s", "ekfac_peak_rss_mb", "reference_s", "states_s", "speedup",
+                "memory_ratio", "top10_overlap", "top10_overlap_ekfac_reference"):
+        assert key in result and result[key] is not None and result[key] >= 0, key
+    assert result["n_train"] == 40 and result["n_queries"] == 4 and result["rank"] == 8
+    assert result["speedup"] == pytest.approx(result["ekfac_query_ms"] / result["cached_query_ms"])
+    assert 0 <= result["top10_overlap"] <= 1 and result["cached_product_ms"] <= result["cached_query_ms"]
+    assert set(result["goals_met"]) == {"speedup", "memory", "top10_overlap"}
+    assert not (tmp_path / "w").exists()  # scratch removed
+
+
+@pytest.mark.parametrize("module", ["precompute.attribution", "bench.attribution"])
+def test_help(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def test_cached_index_sorts_rows_and_scores_sparsely():
+    """Rows given out of order are grouped by prototype with their entries; a query reads only its prototypes and
+    a score is the projected part minus the exact one-hot part, sum a (h . W[y])."""
+    from prism.attribution import BlockWhitening
+
+    d = 4
+    whitening = BlockWhitening(torch.eye(d), torch.ones(d), torch.zeros(3), damping=1.0)  # identity whitening
+    embeddings = torch.eye(d)  # W[y] = e_y
+    index = CachedIndex(whitening, torch.eye(d), np.array([2, 0, 2, 1]), np.array([1, 0, 0, 2]),
+                        np.eye(4, dtype=np.float32), entry_counts=np.array([1, 0, 2, 1]),
+                        entry_targets=np.array([3, 1, 2, 0]), entry_activations=np.array([0.5, 1.0, 2.0, 3.0]),
+                        output_embeddings=embeddings, n_sequences=3, n_prototypes=3, mode="block")
+    assert index.prototype_ids.tolist() == [0, 1, 2, 2] and index.sequence_ids.tolist() == [0, 2, 0, 1]
+    assert index.entry_targets.tolist() == [0, 1, 2, 3] and index.entry_sequence.tolist() == [2, 0, 0, 1]
+    scores, parts = index.scores(torch.tensor([2]), torch.tensor([[1.0, 0.0, 2.0, 4.0]]))
+    # sequence 0: vector e_2 . h = 2, minus 1.0 * h[1] + 2.0 * h[2] = 4; sequence 1: e_0 . h - 0.5 * h[3] = -1
+    assert scores.tolist() == [-2.0, -1.0, 0.0] and list(parts) == [2]

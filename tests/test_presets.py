@@ -1,0 +1,170 @@
+"""Intervention presets: each rule picks exactly the prototypes an independent computation picks; the job is
+idempotent and refuses other arguments; the behaviour-removal benchmark runs end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from test_app_support import build_tiny_db, build_tiny_model
+
+from precompute import presets
+from precompute.runs import JobArgsMismatch, connect, start_job
+
+MARKERS = set(presets.PRESETS["kjv-register"].markers)
+OTHER = ["the", " of", " and", " you", " him", "ing", " said", " lord", " art", "thee-like"]
+
+
+def _fill(path, seed=0, n=40):
+    """A database with made-up labels, next tokens and logit signatures for n prototypes; returns the rows."""
+    rng = random.Random(seed)
+    con = connect(path)
+    start_job(con, "evidence", {"synthetic": True})
+    start_job(con, "labels", {"synthetic": True})
+    rows = {"labels": [], "next": [], "sig": []}
+    for pid in range(n):
+        marker_label = rng.random() < 0.2
+        word = rng.choice(sorted(MARKERS)) if marker_label else rng.choice(["verbs", "thereof", "the end", "Thee"])
+        rows["labels"].append((pid, "misc", f"{word} after a comma", 0.7, "synthetic", None))
+        for rank in range(5):
+            token = rng.choice([" " + rng.choice(sorted(MARKERS)).capitalize(), *OTHER])
+            rows["next"].append((pid, rank, rank, token, rng.randint(1, 9)))
+        for rank in range(15):
+            token = rng.choice([" " + rng.choice(sorted(MARKERS)), *OTHER, *OTHER])
+            rows["sig"].append((pid, rank, rank, token, float(15 - rank)))
+    con.executemany("INSERT INTO labels VALUES (?, ?, ?, ?, ?, ?)", rows["labels"])
+    con.executemany("INSERT INTO next_tokens VALUES (?, ?, ?, ?, ?)", rows["next"])
+    con.executemany("INSERT INTO logit_signatures VALUES (?, ?, ?, ?, ?)", rows["sig"])
+    con.close()
+    return rows
+
+
+def _expected(rows, args: presets.PresetArgs) -> dict[int, list[str]]:
+    """The three rules written plainly in Python over the same rows."""
+    found: dict[int, list[str]] = {}
+    for pid, _, label, *_ in rows["labels"]:
+        if any(w in MARKERS for w in label.lower().replace(",", " ").split()):
+            found.setdefault(pid, []).append("label")
+    totals, hits = {}, {}
+    for pid, _, _, token, count in rows["next"]:
+        totals[pid] = totals.get(pid, 0) + count
+        hits[pid] = hits.get(pid, 0) + (count if token.strip().lower() in MARKERS else 0)
+    for pid in sorted(totals):
+        if hits[pid] >= args.min_share * totals[pid]:
+            found.setdefault(pid, []).append("next_token")
+    for pid in sorted({r[0] for r in rows["sig"]}):
+        if any(token.strip().lower() in MARKERS for p, rank, _, token, _ in rows["sig"]
+               if p == pid and rank < args.signature_top):
+            found.setdefault(pid, []).append("signature")
+    return {pid: found[pid] for pid in sorted(found)}
+
+
+@pytest.mark.parametrize("min_share,signature_top", [(0.3, 10), (0.5, 3)])
+def test_rules_match_an_independent_computation(tmp_path, min_share, signature_top):
+    rows = _fill(tmp_path / "db.duckdb")
+    args = presets.PresetArgs(min_share=min_share, signature_top=signature_top)
+    con = connect(tmp_path / "db.duckdb")
+    counts = presets.run(con, args)
+    stored = {r["prototype_id"]: r["reasons"] for r in presets.preset_prototypes(con, "kjv-register")}
+    con.close()
+    expected = _expected(rows, args)
+    assert stored == expected and counts == {"kjv-register": len(expected)}
+    assert {"label", "next_token", "signature"} <= {r for reasons in expected.values() for r in reasons}
+    assert 0 < len(expected) < 40  # the rules select, they do not take everything
+
+
+def test_job_is_idempotent_and_refuses_other_arguments(tmp_path):
+    _fill(tmp_path / "db.duckdb")
+    con = connect(tmp_path / "db.duckdb")
+    first = presets.run(con, presets.PresetArgs())
+    rows = con.execute("SELECT * FROM presets ORDER BY ALL").fetchall()
+    assert presets.run(con, presets.PresetArgs()) == first
+    assert con.execute("SELECT * FROM presets ORDER BY ALL").fetchall() == rows
+    with pytest.raises(JobArgsMismatch, match="min_share"):
+        presets.run(con, presets.PresetArgs(min_share=0.9))
+    assert con.execute("SELECT * FROM presets ORDER BY ALL").fetchall() == rows  # refused: nothing changed
+    fewer = presets.run(con, presets.PresetArgs(rules=("label",)), overwrite=True)
+    assert fewer["kjv-register"] < first["kjv-register"]
+    con.close()
+
+
+def test_bad_arguments_and_missing_jobs_get_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="min-share"):
+        presets.PresetArgs(min_share=0)
+    with pytest.raises(ValueError, match="rules"):
+        presets.PresetArgs(rules=("vibes",))
+    with pytest.raises(ValueError, match="unknown presets"):
+        presets.PresetArgs(presets=("nsfw",))
+    con = connect(tmp_path / "empty.duckdb")
+    with pytest.raises(RuntimeError, match="labels job"):
+        presets.run(con, presets.PresetArgs())
+    con.close()
+    with pytest.raises(SystemExit):
+        presets.main(["--db", str(tmp_path / "missing.duckdb")])
+    assert "no database" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        presets.main(["--help"])
+    assert "--min-share" in capsys.readouterr().out
+
+
+def test_cli_runs_and_shows(tmp_path, capsys):
+    rows = _fill(tmp_path / "db.duckdb")
+    counts = presets.main(["--db", str(tmp_path / "db.duckdb")])
+    assert counts == {"kjv-register": len(_expected(rows, presets.PresetArgs()))}
+    shown = presets.main(["--db", str(tmp_path / "db.duckdb"), "--show", "kjv-register"])
+    out = capsys.readouterr().out
+    assert len(shown) == counts["kjv-register"] and str(shown[0]["prototype_id"]) in out
+
+
+def test_marker_pattern_counts_whole_words_only():
+    pattern = presets.PRESETS["kjv-register"].marker_pattern()
+    assert pattern.findall("Thou art there; unto THEE, ye theatre thereof yet") == ["Thou", "unto", "THEE", "ye"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny saved model and its full database, with the preset stored by hand (the tiny tokenizer knows no
+    King James words, so the real rules find nothing): prototypes 0-2."""
+    root = tmp_path_factory.mktemp("presets")
+    model = build_tiny_model(root)
+    db = build_tiny_db(root, model)
+    con = connect(db)
+    con.execute("DELETE FROM presets")
+    con.executemany("INSERT INTO presets VALUES ('kjv-register', ?, ['signature'])", [[0], [1], [2]])
+    n = con.execute("SELECT count(*) FROM prototype_stats").fetchone()[0]
+    con.close()
+    return {"model": model, "db": db, "n": n}
+
+
+def test_behaviour_removal_bench_runs_on_a_tiny_model(tiny, tmp_path, capsys):
+    from bench import behaviour_removal
+
+    result = behaviour_removal.main(["--model", str(tiny["model"]), "--db", str(tiny["db"]), "--prompts", "4",
+                                     "--max-new-tokens", "3", "--max-eval-tokens", "64", "--seq-len", "16",
+                                     "--batch-size", "2", "--out", str(tmp_path / "b.json")])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line == json.loads((tmp_path / "b.json").read_text())
+    assert result["n_prototypes"] == 3 and result["share_of_bank"] == 3 / tiny["n"] and result["prompts"] == 4
+    assert result["rate_before"]["words"] > 0 and len(result["examples"]) == 4
+    assert result["ppl_other_before"] > 1 and result["ppl_other_after"] > 1 and result["other_tokens"] > 0
+    # suppressing prototypes of this strong tiny bank changes the held-out perplexity
+    assert result["ppl_other_after"] != result["ppl_other_before"]
+
+
+def test_app_applies_a_preset_to_this_session_only(tiny):
+    from app import ui
+    from app.core import Studio
+    from app.session import Session
+
+    studio = Studio.load(tiny["model"], tiny["db"])
+    assert [p["name"] for p in studio.presets()] == ["kjv-register"] and studio.presets()[0]["n"] == 3
+    title = presets.PRESETS["kjv-register"].title
+    mine, table, status = ui.apply_preset(studio, title, Session())
+    assert mine.interventions().suppress == frozenset({0, 1, 2}) and "3 prototype" in status
+    same, _, _ = ui.apply_preset(studio, "kjv-register", Session())  # by name too
+    assert same.interventions() == mine.interventions()
+    other = Session()
+    assert other.interventions().is_empty  # another user's session is untouched
+    unchanged, _, status = ui.apply_preset(studio, "' OR 1=1 --", mine)
+    assert unchanged is mine and "no preset" in status
