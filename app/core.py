@@ -176,6 +176,12 @@ class Database:
             for r in self.run(query.prototype_table)}
         self.categories = [r["category"] for r in self.run(query.categories)]
         self.has_embeddings = self.run(lambda c: c.execute("SELECT count(*) FROM embeddings").fetchone()[0]) > 0
+        # Pointer-only databases (the shipped one) hold no corpus text: read it back now and check the hashes.
+        self.text_check = self.run(query.check_documents)
+        if self.text_check["errors"]:
+            logger.warning("%d of %d documents could not be read back from the installed corpus: %s",
+                           self.text_check["documents"] - self.text_check["resolved"],
+                           self.text_check["documents"], self.text_check["errors"][0])
 
     def run(self, fn, *args, **kwargs):
         with self._lock:
@@ -468,8 +474,38 @@ class Studio:
             raise AppError(f"no prototype has category {category!r}")
         return sorted(ids)
 
+    def presets(self) -> list[dict]:
+        """The database's intervention presets that hold prototypes: [{name, title, description, n}]."""
+        if self.db is None:
+            return []
+        from precompute.presets import PRESETS
+
+        try:
+            counts = dict(self.db.run(lambda c: c.execute(
+                "SELECT name, count(*) FROM presets GROUP BY name").fetchall()))
+        except duckdb.Error:  # a database built before presets existed
+            return []
+        return [{"name": name, "title": spec.title, "description": spec.description, "n": counts[name]}
+                for name, spec in PRESETS.items() if counts.get(name)]
+
+    def preset_ids(self, name: str) -> tuple[str, list[int]]:
+        """(title, prototype ids) of a preset, by name or title."""
+        for preset in self.presets():
+            if str(name) in (preset["name"], preset["title"]):
+                rows = self.db.run(lambda c, key: c.execute(
+                    "SELECT prototype_id FROM presets WHERE name = ? ORDER BY 1", [key]).fetchall(), preset["name"])
+                return preset["title"], [r[0] for r in rows]
+        known = ", ".join(p["name"] for p in self.presets()) or "none in this database"
+        raise AppError(f"no preset {str(name)[:60]!r}; presets: {known}")
+
     def map_points(self) -> list[dict]:
         return self._need_db().run(query.map_points)
+
+    def attribute(self, gen: Generation, index: int, top: int = 10) -> dict:
+        """The training sequences behind generated token `index`, from the attribution cache (app/attribution.py)."""
+        from app.attribution import attribute_token
+
+        return attribute_token(self, gen, index, top)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -477,10 +513,12 @@ class Studio:
 
 
 def restrict(interventions: Interventions, ids: set[int]) -> Interventions:
-    """The part of `interventions` that concerns the prototypes in ids."""
+    """The part of `interventions` that concerns the prototypes in ids (a controller's part included)."""
+    controller = interventions.controller
     return Interventions(suppress=frozenset(interventions.suppress & ids),
                          scale={p: f for p, f in interventions.scale.items() if p in ids},
-                         inject={p: a for p, a in interventions.inject.items() if p in ids})
+                         inject={p: a for p, a in interventions.inject.items() if p in ids},
+                         controller=None if controller is None else controller.restricted(ids))
 
 
 def side_by_side(original: Generation, intervened: Generation) -> Diff:

@@ -6,6 +6,7 @@ other's interventions. Every change returns a new Session (dataclasses.replace),
     s = s.add(scale_item(7, 2.0, "suffix -ing")).add(group_item("category", "numbers/time", [1, 3, 9]))
     s.interventions()   # -> prism.Interventions(suppress={1, 3, 9, 12}, scale={7: 2.0})
     s = s.remove(0)
+    s = replace(s, controller=loaded, controller_on=True)   # a fitted controller too (app/controllers.py)
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from prism import Interventions
+from prism import ActivationController, Interventions
 
 if TYPE_CHECKING:
     from app.core import Generation
 
-KINDS = ("suppress", "scale", "category", "search")
+KINDS = ("suppress", "scale", "category", "search", "preset")
 MAX_SCALE = 10.0
 
 
@@ -40,7 +41,8 @@ class InterventionItem:
 
     def describe(self) -> str:
         action = "suppress" if self.factor == 0 else f"scale x{self.factor:g}"
-        what = {"suppress": "prototype", "scale": "prototype", "category": "category", "search": "search"}[self.kind]
+        what = {"suppress": "prototype", "scale": "prototype", "category": "category", "search": "search",
+                "preset": "preset"}[self.kind]
         return f"{action} {what} {self.target} ({len(self.prototype_ids)} prototype(s))"
 
 
@@ -65,6 +67,8 @@ class Session:
     original: Generation | None = None  # the last generation without interventions
     intervened: Generation | None = None  # the same settings with this session's interventions
     selected: tuple[str, int] | None = None  # ("original" | "intervened", token index)
+    controller: ActivationController | None = None  # a loaded prototype controller (app/controllers.py)
+    controller_on: bool = False  # whether the intervened text uses it
 
     def add(self, item: InterventionItem) -> Session:
         return replace(self, items=(*self.items, item))
@@ -90,7 +94,8 @@ class Session:
                 else:
                     scale[pid] = item.factor
         scale = {p: f for p, f in scale.items() if p not in suppress and f != 1.0}
-        return Interventions(suppress=frozenset(suppress), scale=scale)
+        controller = self.controller if self.controller_on else None
+        return Interventions(suppress=frozenset(suppress), scale=scale, controller=controller)
 
     def rows(self) -> list[list]:
         """The intervention list as table rows: index, what, prototype ids."""

@@ -4,8 +4,8 @@ Every handler takes the shared, read-only Studio first (bound with functools.par
 gr.State value) where it needs one, and returns a new Session instead of changing a shared value. Every event
 has an api_name, so each UI action is also an HTTP endpoint `gradio_client` can call:
 
-    generate, decompose, prototype, search, suppress, scale, suppress_category, suppress_search,
-    remove_intervention, clear_interventions, interventions, map
+    generate, decompose, prototype, search, suppress, scale, suppress_category, suppress_search, preset,
+    remove_intervention, clear_interventions, interventions, map, attribute, controller
 
 Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
 the app keeps running.
@@ -16,11 +16,15 @@ from __future__ import annotations
 import html
 import json
 import logging
+from dataclasses import replace
 from functools import partial
 
 import gradio as gr
 
+from app import controllers as app_controllers
 from app import plots
+from app.attribution import EMPTY as EMPTY_ATTRIBUTION
+from app.attribution import attribution_panel
 from app.core import (
     AppError,
     Generation,
@@ -39,6 +43,7 @@ ORDERINGS = {"activation count": "activation_count", "label score": "label_score
 TABLE_HEADERS = ["prototype_id", "label", "category", "score", "activation_count"]
 ACTIVE_HEADERS = ["prototype_id", "label", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
+CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
 
 
 def _ok(message: str) -> str:
@@ -67,7 +72,9 @@ def _generation_json(gen: Generation | None) -> dict | None:
         return None
     return {"prompt": gen.prompt_text, "text": gen.text, "notes": gen.notes,
             "interventions": {"suppress": sorted(gen.interventions.suppress),
-                              "scale": {str(p): f for p, f in gen.interventions.scale.items()}},
+                              "scale": {str(p): f for p, f in gen.interventions.scale.items()},
+                              "controller": None if gen.interventions.controller is None else
+                              app_controllers.name(gen.interventions.controller)},
             "tokens": [{"index": i, "token_id": s.token_id, "text": s.text, "logit": s.logit,
                         "prototype_ids": s.prototype_ids, "activations": s.activations}
                        for i, s in enumerate(gen.steps)]}
@@ -115,7 +122,7 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     if original is None:  # nothing to stream: the stored original is reused and there are no interventions
         original = session.original
     diff = side_by_side(original, intervened) if intervened is not None else None
-    session = Session(items=session.items, original=original, intervened=intervened, selected=None)
+    session = replace(session, original=original, intervened=intervened, selected=None)
     result = {"original": _generation_json(original), "intervened": _generation_json(intervened),
               "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
     yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
@@ -167,8 +174,7 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
     except AppError as err:
         empty = plots.empty_figure(str(err))
         return empty, empty, _problem(err), [], None, session, None
-    session = Session(items=session.items, original=session.original, intervened=session.intervened,
-                      selected=(run, view.index))
+    session = replace(session, selected=(run, view.index))
     rows = [[s.prototype_id, s.label, s.category, round(s.activation, 4), round(s.contribution, 4)]
             for s in view.chosen.slices]
     top = view.chosen.slices[0].prototype_id if view.chosen.slices else None
@@ -314,6 +320,14 @@ def suppress_search(studio: Studio, text: str, mode: str, session: Session):
     return _intervened(session, make)
 
 
+def apply_preset(studio: Studio, name: str, session: Session):
+    def make():
+        title, ids = studio.preset_ids(name)
+        return group_item("preset", title, ids)
+
+    return _intervened(session, make)
+
+
 def remove_intervention(index, session: Session):
     try:
         session = session.remove(int(index))
@@ -328,6 +342,31 @@ def clear_interventions(session: Session):
 
 def list_interventions(session: Session):
     return _interventions_table(session), session.interventions().__repr__()
+
+
+def controller(studio: Studio, path: str, upload, enabled: bool, session: Session):
+    """Load a fitted prototype controller (a server path or an upload) into this session, switch it on or off
+    for the intervened text, and list the prototypes it raises and lowers most. Returns (session, rows, status,
+    description)."""
+    try:
+        source = upload or (path or "").strip()
+        loaded = session.controller
+        if source:
+            loaded = app_controllers.load(studio, source)
+        if loaded is None:
+            raise AppError("no controller loaded: give a path or upload a file written by "
+                           "`python -m prism.controllers fit`")
+    except AppError as err:
+        return session, [], _problem(err), None
+    session = replace(session, controller=loaded, controller_on=bool(enabled))
+    view = app_controllers.describe(studio, loaded)
+    state = "on: generate again to compare" if enabled else "loaded, off (tick the box to use it)"
+    return session, app_controllers.table_rows(view), _ok(f"controller {view['name']} {state}"), view
+
+
+def pick_controller_row(evt: gr.SelectData):
+    """A click on a row of the controller table -> its prototype id (to open the card)."""
+    return evt.row_value[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,6 +412,11 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     db_note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
         "No precompute database: labels, categories and evidence are off. Build one with `python -m precompute " \
         "build --model MODEL --corpus CORPUS --db out.duckdb` and start with `--db out.duckdb`."
+    check = studio.db.text_check if studio.db is not None else None
+    if check and check["errors"]:
+        db_note += (f"\n\n⚠️ {check['documents'] - check['resolved']} of {check['documents']} evidence documents "
+                    f"could not be read back from the installed corpus packages, so their snippets are hidden: "
+                    f"{html.escape(check['errors'][0])}")
     with gr.Blocks(title="PRISM studio") as demo:
         session = gr.State(Session())
         gr.Markdown(INTRO + db_note)
@@ -406,6 +450,10 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
                         active = gr.Dataframe(headers=ACTIVE_HEADERS, label="Active prototypes (click a row)",
                                               interactive=False, elem_id="active")
+                        with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
+                            attribute_btn = gr.Button("Find the training data", elem_id="attribute")
+                            attribution_html = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
+                            attribution_json = gr.JSON(visible=False)
                         with gr.Accordion("Data (as the API returns it)", open=False):
                             result_json = gr.JSON(label="generate")
                             token_json = gr.JSON(label="decompose")
@@ -442,6 +490,13 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                     remove_index = gr.Number(value=0, precision=0, label="#", scale=1)
                     remove_btn = gr.Button("Remove", scale=1)
                     clear_btn = gr.Button("Clear all", scale=1)
+                presets = studio.presets()
+                with gr.Row():
+                    iv_preset = gr.Dropdown([p["title"] for p in presets], label="Preset (one click)", scale=2,
+                                            value=presets[0]["title"] if presets else None, elem_id="preset",
+                                            info="; ".join(f"{p['title']}: {p['n']} prototypes" for p in presets)
+                                            or "this database has no presets (python -m precompute.presets)")
+                    preset_btn = gr.Button("Apply preset", scale=1, elem_id="preset-apply")
                 with gr.Row():
                     iv_category = gr.Dropdown(categories, label="Category", scale=2)
                     category_btn = gr.Button("Suppress category", scale=1)
@@ -450,6 +505,18 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                     iv_mode = gr.Radio(["label", "semantic"], value="label", label="by", scale=1)
                     iv_search_btn = gr.Button("Suppress all", scale=1)
                 iv_repr = gr.Textbox(visible=False)
+                with gr.Accordion("Controller", open=False, elem_id="controller-panel"):
+                    gr.Markdown("A fitted controller reweights prototypes wherever they are active "
+                                "(`python -m prism.controllers fit`). Load one, see what it moves, switch it on.")
+                    ctl_path = gr.Textbox(label="Controller file on the server (.safetensors)", elem_id="ctl-path")
+                    ctl_upload = gr.File(label="or upload one", file_types=[".safetensors"], type="filepath",
+                                         elem_id="ctl-upload")
+                    ctl_on = gr.Checkbox(value=True, label="Use it for the intervened text", elem_id="ctl-on")
+                    ctl_btn = gr.Button("Load / apply", elem_id="ctl-apply")
+                    ctl_status = gr.Markdown(elem_id="ctl-status")
+                    ctl_table = gr.Dataframe(headers=CONTROLLER_HEADERS, interactive=False, elem_id="ctl-table",
+                                             label="Most raised and lowered prototypes (click a row)")
+                    ctl_json = gr.JSON(visible=False)
 
         card_outputs = [card_md, signature, histogram, evidence, card_json]
         iv_outputs = [session, iv_table, iv_status]
@@ -483,10 +550,22 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                            api_name="suppress_category")
         iv_search_btn.click(partial(suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
                             api_name="suppress_search")
+        preset_btn.click(partial(apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
         remove_btn.click(remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
         clear_btn.click(clear_interventions, [session], iv_outputs, api_name="clear_interventions")
         iv_refresh = gr.Button(visible=False)
         iv_refresh.click(list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
+        ctl_btn.click(partial(controller, studio), [ctl_path, ctl_upload, ctl_on, session],
+                      [session, ctl_table, ctl_status, ctl_json], api_name="controller")
+        ctl_table.select(pick_controller_row, None, [proto_id], api_name=False).then(
+            partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+
+        # Training data behind the selected token: on request, and whenever a token's decomposition arrives.
+        attribution_outputs = [attribution_html, attribution_json]
+        attribute_btn.click(partial(attribution_panel, studio), [run, index, session], attribution_outputs,
+                            api_name="attribute", concurrency_limit=concurrency, concurrency_id="model")
+        token_json.change(partial(attribution_panel, studio), [run, index, session], attribution_outputs,
+                          api_name=False)
 
         demo.load(partial(map_plot, studio), None, [proto_map], api_name="map").then(
             partial(search, studio), [query_box, mode, category, order], [table, search_status], api_name=False)

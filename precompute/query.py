@@ -126,6 +126,24 @@ def _resolve_text(doc_id: str, sha256: str) -> str:
     return check_text(doc_id, sha256)
 
 
+def check_documents(con: duckdb.DuckDBPyConnection, max_errors: int = 5) -> dict:
+    """Read back the text of every document a pointer-only database points into (from the installed corpus
+    packages) and check its sha256: {pointer_only, documents, resolved, errors (the first max_errors messages)}.
+    Databases that store their text pass trivially. The app runs this once at start."""
+    rows = con.execute("SELECT doc_id, sha256 FROM documents WHERE text IS NULL ORDER BY doc_id").fetchall()
+    errors, resolved = [], 0
+    for doc_id, sha256 in rows:
+        try:
+            _resolve_text(doc_id, sha256)
+            resolved += 1
+        except (KeyError, ValueError, ImportError) as err:
+            if len(errors) < max_errors:
+                errors.append(str(err))
+    total = con.execute("SELECT count(*) FROM documents").fetchone()[0]
+    return {"pointer_only": bool(rows), "documents": total, "resolved": resolved + total - len(rows),
+            "errors": errors}
+
+
 def categories(con: duckdb.DuckDBPyConnection) -> list[dict]:
     return _rows(con, "SELECT coalesce(category, 'unlabelled') AS category, count(*) AS n FROM prototypes "
                       "GROUP BY 1 ORDER BY n DESC, category")

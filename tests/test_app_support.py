@@ -108,3 +108,46 @@ def running_app(model: Path, db: Path | None, concurrency: int = 2, timeout: flo
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def build_tiny_controller(studio, folder: Path, prompt: str, tokens: int):
+    """A prototype controller file for the tiny model that changes the greedy continuation of `prompt`: it lowers
+    the prototypes one generated token leans on most and raises two others. Returns (path, controller)."""
+    from app.core import GenerationSettings, side_by_side
+    from prism import Interventions
+    from prism.controllers import PrototypeController, bank_fingerprint, save_controller
+
+    settings = GenerationSettings(prompt, max_new_tokens=tokens)
+    original = studio.generate(settings)
+    n = studio.n_prototypes
+    for first in range(tokens):
+        log_factors = torch.zeros(n)
+        lowered = original.steps[first].prototype_ids[:2]
+        log_factors[lowered] = -2.0
+        raised = [p for p in range(n) if p not in lowered][first % (n - 2): first % (n - 2) + 2]
+        log_factors[raised] = 1.5
+        controller = PrototypeController(log_factors, {"task": "next_sentence", "seed": 0,
+                                                       "bank_fingerprint": bank_fingerprint(studio.model)})
+        changed = studio.generate(settings, Interventions(controller=controller))
+        if side_by_side(original, changed).first_change is not None:
+            path = save_controller(controller, folder / "next_sentence" / "prototype-seed0.safetensors")
+            return path, controller
+    raise RuntimeError("no test controller changes the continuation")
+
+
+def build_tiny_attribution_db(root: Path, model: Path, db: Path) -> Path:
+    """A copy of the tiny database with the attribution cache added (precompute/attribution.py), as
+    root/tiny-attribution.duckdb; reused when already there. The shared database stays as it is."""
+    import shutil
+
+    out = root / "tiny-attribution.duckdb"
+    done = root / "tiny-attribution.done"
+    if done.is_file():
+        return out
+    out.unlink(missing_ok=True)
+    shutil.copyfile(db, out)
+    precompute_main(["build", "--model", str(model), "--corpus", str(root / "corpus" / "corpus.jsonl"), "--db",
+                     str(out), "--jobs", "attribution", "--seq-len", "24", "--batch-size", "4",
+                     "--attribution-rank", "16"])
+    done.write_text(json.dumps({"db": str(out)}))
+    return out

@@ -1,0 +1,95 @@
+"""The "training data behind this token" panel: the training sequences that most lowered a generated token's loss,
+served from the attribution cache of the precompute database (precompute/attribution.py, prism/attribution.py).
+
+    data = attribute_token(studio, gen, index=3, top=10)     # {"token", "sequences": [...], ...}; AppError if no cache
+    html_text, data = attribution_panel(studio, "original", 3, session)   # the Gradio handler (api_name "attribute")
+
+A query costs one pass of the prototype head on the token's final state (kept with the generation) and a sparse
+product over its k active prototypes; the cached vectors are loaded into memory once per database and shared
+(read-only) by every user. Attribution uses the model's own activations: for the intervened text it is computed on
+that text without the interventions.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import weakref
+
+from app.core import AppError, Database, Generation, Studio
+from precompute import attribution as cache
+from prism.attribution import CachedIndex, query_gradient, top_sequences
+
+RUNS = ("original", "intervened")
+EMPTY = "Click a generated token to see the training sequences behind it."
+
+_indexes: weakref.WeakKeyDictionary[Database, CachedIndex] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def index_for(studio: Studio, db: Database) -> CachedIndex:
+    """The database's cache in memory, loaded on first use; AppError with the build command if it has none."""
+    with _lock:
+        if db not in _indexes:
+            if not db.run(cache.has_attribution):
+                raise AppError(f"{cache.BUILD_HINT}.")
+            _indexes[db] = db.run(cache.load_index, studio.model.lm_head.weight)
+        return _indexes[db]
+
+
+def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:
+    """The top training sequences for generated token `index` of `gen`, with scores, documents and spans."""
+    db = studio._need_db()
+    cached = index_for(studio, db)
+    if cached.n_prototypes != studio.n_prototypes:
+        raise AppError(f"the attribution cache describes {cached.n_prototypes} prototypes but the model has "
+                       f"{studio.n_prototypes}: rebuild it for this model")
+    index, position = studio._position(gen, index)
+    token = gen.steps[index].token_id
+    z = studio.final_states(gen)[position]  # (d,)
+    ids, rows = query_gradient(studio.model, None, position, token, z=z)
+    if len(ids) == 0:
+        return {"index": index, "position": position, "token_id": token, "token": studio.tokenizer.decode([token]),
+                "prototype_ids": [], "n_sequences": cached.n_sequences, "sequences": [],
+                "message": "no prototype is active at this token"}
+    scores, parts = cached.scores(ids, rows)
+    best = [int(s) for s in top_sequences(scores, top)]
+    sequences = db.run(cache.attribution_rows, studio.tokenizer, best, scores, parts)
+    for row in sequences:
+        for p in row["prototypes"]:
+            p["label"], p["category"] = studio.label(p["prototype_id"])
+    return {"index": index, "position": position, "token_id": token, "token": studio.tokenizer.decode([token]),
+            "prototype_ids": [int(i) for i in ids], "n_sequences": cached.n_sequences, "sequences": sequences,
+            "message": None}
+
+
+def attribution_panel(studio: Studio, run: str, index, session) -> tuple[str, dict | None]:
+    """Gradio handler: (panel HTML, data) for the selected token of the original or intervened text."""
+    try:
+        if run not in RUNS:
+            raise AppError(f"run must be 'original' or 'intervened', got {run!r}")
+        gen = session.original if run == "original" else session.intervened
+        if gen is None:
+            raise AppError("generate first" if run == "original" else "there is no intervened text")
+        data = attribute_token(studio, gen, int(index or 0))
+    except AppError as err:
+        return f'<p class="prism-attribution-status">⚠️ {html.escape(str(err))}</p>', None
+    except (TypeError, ValueError) as err:
+        return f'<p class="prism-attribution-status">⚠️ {html.escape(str(err))}</p>', None
+    head = (f'<p class="prism-attribution-status"><b>Training data behind token {data["index"]} '
+            f'{html.escape(repr(data["token"]))}</b>: the training sequences whose loss gradient, through the '
+            f'token\'s active prototypes {", ".join(f"#{p}" for p in data["prototype_ids"])} and those co-used with '
+            f'them, most lowered its loss '
+            f'(cached prototype-space influence, {data["n_sequences"]:,} training sequences searched).</p>')
+    if run == "intervened":
+        head += '<p class="prism-attribution-status">Computed without the interventions.</p>'
+    if data["message"]:
+        return head + f"<p>{html.escape(data['message'])}</p>", _json(data)
+    return head + cache.rows_html(data["sequences"]), _json(data)
+
+
+def _json(data: dict) -> dict:
+    """The panel's data without the long text segments (the API returns spans and scores)."""
+    out = dict(data)
+    out["sequences"] = [{k: v for k, v in r.items() if k not in ("segments", "sha256")} for r in data["sequences"]]
+    return out

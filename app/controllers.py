@@ -1,0 +1,77 @@
+"""The app's controller panel logic, without any UI: load a fitted prototype controller (prism/controllers.py) for
+one session, and describe it: which prototypes it raises and lowers most, with their labels and top evidence.
+
+    controller = load(studio, "runs/prism/ctl/next_sentence/prototype-seed0.safetensors")
+    view = describe(studio, controller)        # {"name", "task", "moved", "raised": [...], "lowered": [...]}
+    session = replace(session, controller=controller, controller_on=True)   # session.interventions() uses it
+
+The controller is a value kept in the user's Session (gr.State), never on the Studio: switching it on changes only
+that user's generations, through the same Interventions as suppression and scaling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.core import AppError, Studio
+from prism.controllers import DenseController, PrototypeController, load_controller
+
+SUFFIX = ".safetensors"
+SNIPPET_CHARS = 160
+
+
+def load(studio: Studio, path: str | Path | None) -> PrototypeController:
+    """A prototype controller file for this studio's model; AppError with the reason otherwise."""
+    if path is None or not str(path).strip():
+        raise AppError("give the path of a controller file (python -m prism.controllers fit writes them) or "
+                       "upload one")
+    path = Path(str(path).strip())
+    if path.suffix != SUFFIX:
+        raise AppError(f"a controller file ends with {SUFFIX}, got {path.name!r}")
+    try:
+        controller = load_controller(path, studio.model)
+    except (FileNotFoundError, ValueError) as err:
+        raise AppError(f"cannot use this controller: {err}") from None
+    if isinstance(controller, DenseController):
+        raise AppError("this is the dense baseline (an edit of the hidden state, not of prototypes); only "
+                       "prototype controllers can be switched on here")
+    return controller
+
+
+def name(controller: PrototypeController) -> str:
+    meta = controller.meta
+    moved = len(controller.moved())
+    return f"{meta.get('task', 'controller')} (seed {meta.get('seed', '?')}, {moved} prototypes moved)"
+
+
+def describe(studio: Studio, controller: PrototypeController, n: int = 10) -> dict:
+    """The n most raised and lowered prototypes with label, category and, with a database, the top evidence."""
+    rows = controller.top(n)
+    for direction in ("raised", "lowered"):
+        for row in rows[direction]:
+            label, category = studio.label(row["prototype_id"])
+            row.update(label=label, category=category, evidence=_snippet(studio, row["prototype_id"]))
+    meta = controller.meta
+    return {"name": name(controller), "task": meta.get("task"), "seed": meta.get("seed"),
+            "moved": len(controller.moved()), "val_accuracy": meta.get("val_accuracy"),
+            "val_accuracy_before": meta.get("val_accuracy_before"), **rows}
+
+
+def _snippet(studio: Studio, prototype_id: int) -> str:
+    """The top evidence context as plain text with the token in [brackets]; "" without a database."""
+    if studio.db is None:
+        return ""
+    try:
+        evidence = studio.card(prototype_id, n_evidence=1)["evidence"]
+    except AppError:
+        return ""
+    if not evidence:
+        return ""
+    text = "".join(f"[{s['text']}]" if s["target"] else s["text"] for s in evidence[0]["segments"])
+    return " ".join(text.split())[:SNIPPET_CHARS]
+
+
+def table_rows(view: dict) -> list[list]:
+    """The description as table rows: direction, prototype id, factor, label, category, evidence."""
+    return [[direction, r["prototype_id"], round(r["factor"], 3), r["label"], r["category"], r["evidence"]]
+            for direction in ("raised", "lowered") for r in view[direction]]

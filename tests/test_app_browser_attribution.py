@@ -1,0 +1,122 @@
+"""The "training data behind this token" panel: the Studio call against the cache read directly, the hints when
+there is no cache or no database, the `attribute` HTTP endpoint, and Playwright driving Debian's chromium: generate,
+click a token, see the top training sequences with scores and highlighted spans. Screenshots go to test-artifacts/.
+Needs `apt-get install -y chromium`; without it the browser test FAILS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_app_support import ROOT, build_tiny_attribution_db, running_app, shared_assets
+
+from app.attribution import attribution_panel
+from app.core import AppError, GenerationSettings, Studio
+from app.session import Session
+from precompute import attribution as cache
+from prism.attribution import query_gradient
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--no-first-run"]
+ARTIFACTS = ROOT / "test-artifacts"
+PROMPT = "the cat sat on the"
+TOKENS = 8
+TIMEOUT = 60_000
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    model, db = shared_assets(tmp_path_factory)
+    attribution_db = build_tiny_attribution_db(tmp_path_factory.getbasetemp() / "app_assets", model, db)
+    return {"model": model, "db": db, "attribution_db": attribution_db}
+
+
+@pytest.fixture(scope="module")
+def studio(assets):
+    return Studio.load(assets["model"], assets["attribution_db"])
+
+
+def test_studio_attributes_a_generated_token_from_the_cache(studio):
+    gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
+    data = studio.attribute(gen, 2, top=5)
+    assert data["index"] == 2 and data["token_id"] == gen.steps[2].token_id
+    rows = data["sequences"]
+    assert len(rows) == 5 and [r["rank"] for r in rows] == list(range(5))
+    assert [r["score"] for r in rows] == sorted((r["score"] for r in rows), reverse=True)
+    # the same numbers as the cache read directly, for the same query
+    index = studio.db.run(cache.load_index, studio.model.lm_head.weight)
+    position = len(gen.prompt_ids) + 1
+    ids, g = query_gradient(studio.model, gen.input_ids(2), position, gen.steps[2].token_id)
+    scores, _ = index.scores(ids, g)
+    np.testing.assert_allclose([r["score"] for r in rows], np.sort(scores)[::-1][:5], rtol=1e-4, atol=1e-6)
+    for r in rows:
+        assert r["doc_id"].startswith("doc-") and r["error"] is None and r["char_end"] > r["char_start"]
+        assert sum(s["target"] for s in r["segments"]) <= 1 and "".join(s["text"] for s in r["segments"])
+        assert sum(p["contribution"] for p in r["prototypes"]) == pytest.approx(r["score"], rel=1e-4, abs=1e-6)
+    html, payload = attribution_panel(studio, "original", 2, Session(original=gen))
+    assert "Training data behind token 2" in html and html.count("prism-attribution\"") == 10
+    assert payload["sequences"][0]["doc_id"] == rows[0]["doc_id"] and "segments" not in payload["sequences"][0]
+
+
+def test_the_panel_says_how_to_build_what_is_missing(assets, studio):
+    gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=3))
+    plain = Studio.load(assets["model"], assets["db"])  # evidence and labels, no attribution cache
+    html, data = attribution_panel(plain, "original", 1, Session(original=gen))
+    assert data is None and "--jobs attribution" in html
+    with pytest.raises(AppError, match="--jobs attribution"):
+        plain.attribute(gen, 1)
+    bare = Studio(studio.model, studio.tokenizer)  # no database at all
+    html, _ = attribution_panel(bare, "original", 1, Session(original=gen))
+    assert "python -m precompute build" in html
+    for run, index in (("original", 99), ("elsewhere", 0), ("intervened", 0)):
+        html, data = attribution_panel(studio, run, index, Session(original=gen))
+        assert data is None and "⚠️" in html
+
+
+@pytest.fixture(scope="module")
+def app(assets):
+    ARTIFACTS.mkdir(exist_ok=True)
+    with running_app(assets["model"], assets["attribution_db"]) as url:
+        yield url
+
+
+def test_attribute_endpoint(app, studio):
+    gradio_client = pytest.importorskip("gradio_client")
+    client = gradio_client.Client(app, verbose=False)
+    client.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
+    html, data = client.predict("original", 2, api_name="/attribute")
+    gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
+    expected = studio.attribute(gen, 2)
+    assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
+    assert "Training data behind token 2" in html
+
+
+def test_click_a_token_and_see_its_training_data(app):
+    if not CHROMIUM.is_file():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium with `apt-get install -y chromium`")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.set_default_timeout(TIMEOUT)
+        page.goto(app)
+        page.wait_for_selector("#prompt")
+        page.fill("#prompt textarea", PROMPT)
+        page.locator("input[aria-label='number input for Max new tokens']").fill(str(TOKENS))
+        page.locator("input[aria-label='number input for Max new tokens']").press("Tab")
+        page.click("#generate")
+        page.wait_for_function(f"document.querySelectorAll('#original .textfield .token').length == {TOKENS}")
+        page.locator("#original .textfield .token").nth(2).click()
+        page.wait_for_function("document.querySelector('#attribution').innerText.includes('Training data behind "
+                               "token 2')")
+        cards = page.locator("#attribution .prism-attribution")
+        assert cards.count() == 10
+        assert "score" in cards.first.inner_text() and "doc-" in cards.first.inner_text()
+        assert page.locator("#attribution span[style*='outline']").count() >= 1  # the strongest token is marked
+        page.locator("#attribution").scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "app-attribution.png"), full_page=True)
+        browser.close()
