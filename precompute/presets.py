@@ -111,8 +111,8 @@ def run(con: duckdb.DuckDBPyConnection, args: PresetArgs, overwrite: bool = Fals
     """Find and store every preset in args.presets; returns {name: number of prototypes}."""
     status = start_job(con, JOB, asdict(args), overwrite=overwrite)
     if status == "done":
-        return {name: n for name, n in con.execute(
-            "SELECT name, count(*) FROM presets GROUP BY name ORDER BY name").fetchall()}
+        stored = dict(con.execute("SELECT name, count(*) FROM presets GROUP BY name").fetchall())
+        return {name: stored.get(name, 0) for name in args.presets}
     if "label" in args.rules and con.execute("SELECT count(*) FROM labels").fetchone()[0] == 0:
         raise RuntimeError("the label rule needs the labels job: run it first (or leave 'label' out of --rules)")
     if con.execute("SELECT count(*) FROM next_tokens").fetchone()[0] == 0:

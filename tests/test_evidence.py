@@ -215,7 +215,7 @@ def test_full_build_fills_every_column_a_card_needs(setup, tmp_path):
     db = tmp_path / "full.duckdb"
     argv = [a for a in _argv(setup, db) if a not in ("--jobs", "evidence")]
     summary = precompute_main(argv)
-    assert set(summary) == {"evidence", "labels", "search", "map"}
+    assert set(summary) == {"evidence", "labels", "search", "map", "presets"}
     con = open_db(db)
     rows = con.execute("SELECT prototype_id, label, category, label_score, x, y FROM prototypes "
                        "WHERE activation_count > 0").fetchall()
@@ -225,7 +225,8 @@ def test_full_build_fills_every_column_a_card_needs(setup, tmp_path):
     hits = search.semantic_search(con, card["label"], k=3)
     assert hits and hits[0]["prototype_id"] == rows[0][0]
     con.close()
-    assert precompute_main(argv) == {"evidence": None, "labels": 0, "search": 0, "map": 0}  # all done: no-op
+    again = {"evidence": None, "labels": 0, "search": 0, "map": 0, "presets": summary["presets"]}
+    assert precompute_main(argv) == again  # all done: no-op
 
 
 def test_pointer_only_database_reads_text_back_from_the_installed_corpus(setup, tmp_path):
