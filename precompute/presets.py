@@ -50,8 +50,8 @@ PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
         name="kjv-register",
         title="Remove the King James register",
         description="Suppress the prototypes behind the archaic pronouns and verb forms the King James Bible "
-                    "teaches (thee, thou, thy, hath, unto, saith, ...), so prompts in biblical style continue in "
-                    "modern words.",
+                    "teaches (thee, thou, thy, hath, unto, saith, ...). How far that moves biblical prompts to "
+                    "modern words is measured by bench/behaviour_removal.py.",
         markers=("thee", "thou", "thy", "thine", "ye", "hath", "hast", "doth", "dost", "saith", "shalt", "wilt",
                  "unto", "spake", "begat"),
     ),
