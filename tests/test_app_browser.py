@@ -7,7 +7,6 @@ Screenshots go to test-artifacts/ (ignored by git). Needs `apt-get install -y ch
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from test_app_support import ROOT, running_app, shared_assets
@@ -15,26 +14,10 @@ from test_app_support import ROOT, running_app, shared_assets
 from app.core import GenerationSettings, Studio, side_by_side
 from prism import Interventions
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--no-first-run"]
 ARTIFACTS = ROOT / "test-artifacts"
 PROMPT = "the cat sat on the"
 CHANGED_RGB = "rgba(255, 45, 45"
 TIMEOUT = 60_000
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium with `apt-get install -y chromium` "
-                    "(Playwright's own browser download does not work here)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
