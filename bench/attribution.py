@@ -249,6 +249,9 @@ def run_reference(ns, work: Path) -> dict:
 
 
 RUNNERS = {"cached": run_cached, "ekfac": run_ekfac, "reference": run_reference}
+# What a scratch folder depends on: --resume reuses one only when all of these match.
+RESUME_KEYS = ("model", "db", "corpus", "n_train", "seq_len", "n_queries", "rank", "damping", "mode", "extra",
+               "coverage", "batch_size", "ekfac_query_batch", "ekfac_queries", "peer_layers", "seed")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -302,20 +305,36 @@ def ensure_cache(ns) -> dict:
 
 def run(ns) -> dict:
     work = Path(ns.work) if ns.work else Path(ns.db).with_name(Path(ns.db).name + ".bench-attribution")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    settings = {k: getattr(ns, k) for k in RESUME_KEYS}
+    resumed = ns.resume and (work / "settings.json").is_file() and \
+        json.loads((work / "settings.json").read_text()) == settings
+    if ns.resume and work.exists() and not resumed:
+        logger.warning("%s was made with other settings (or is incomplete): starting afresh", work)
+    if not resumed:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
     result: dict = {"model": Path(ns.model).name}
-    result.update(ensure_cache(ns))
-    result.update(prepare(ns, work))
+    result.update(ensure_cache(ns))  # the attribution job resumes on its own
+    if resumed and (work / "meta.json").is_file():
+        result.update(json.loads((work / "meta.json").read_text()))
+    else:
+        result.update(prepare(ns, work))
+        (work / "settings.json").write_text(json.dumps(settings))  # only now is the folder worth resuming
     gc.collect()
     for level in ns.levels.split(","):
+        done = work / f"{level}.json"
+        if resumed and done.is_file() and (work / f"{level}_scores.npy").is_file():
+            logger.info("level %s already measured in %s (--resume)", level, work)
+            result.update(json.loads(done.read_text()))
+            continue
         if ns.in_process:
             out = RUNNERS[level](ns, work)
             out[f"{level}_peak_rss_mb"] = _self_rss_mb()
         else:
             rss = _child(["-m", "bench.attribution", *ns.argv, "--level", level, "--work", str(work)])
-            out = json.loads((work / f"{level}.json").read_text())
+            out = json.loads(done.read_text())
             out[f"{level}_peak_rss_mb"] = rss
+        done.write_text(json.dumps(out))  # with its peak RSS, so a resumed run reports it too
         result.update(out)
     result["rss_per_level_process"] = not ns.in_process
     scores = {lvl: np.load(work / f"{lvl}_scores.npy") for lvl in LEVELS if (work / f"{lvl}_scores.npy").exists()}
@@ -369,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cache even if the database holds one")
     parser.add_argument("--work", default=None, help="scratch folder (default: beside the database)")
     parser.add_argument("--keep-work", action="store_true", help="keep the scratch folder (scores, states)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the scratch folder of an interrupted run with the same settings: prepared inputs "
+                             "and finished levels are kept, the rest runs; a failed run always leaves its folder")
     parser.add_argument("--in-process", action="store_true", help="run every level in this process (tests)")
     parser.add_argument("--seed", type=int, default=0, help="which queries")
     parser.add_argument("--level", choices=LEVELS, default=None, help=argparse.SUPPRESS)  # internal: one level

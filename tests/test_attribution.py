@@ -390,6 +390,29 @@ def test_bench_runs_end_to_end_on_a_tiny_model(setup, tmp_path, capsys):
     assert not (tmp_path / "w").exists()  # scratch removed
 
 
+def test_bench_resume_reruns_only_the_unfinished_level(setup, tmp_path, capsys):
+    bench = importlib.import_module("bench.attribution")
+    argv = ["--model", setup["model"], "--db", str(tmp_path / "bench.duckdb"), "--corpus", setup["corpus"],
+            "--n-train", "24", "--seq-len", str(SEQ), "--n-queries", "3", "--rank", "8", "--batch-size", "4",
+            "--peer-layers", "1", "--in-process", "--levels", "cached,reference", "--work", str(tmp_path / "w"),
+            "--resume", "--keep-work"]
+    full = bench.main(argv)
+    work = tmp_path / "w"
+    cached_before = (work / "cached_scores.npy").read_bytes()
+    states_mtime = (work / "states.f32").stat().st_mtime_ns
+    (work / "reference.json").unlink()  # as if the run died during the reference level
+    (work / "reference_scores.npy").unlink()
+    resumed = bench.main(argv)
+    assert (work / "states.f32").stat().st_mtime_ns == states_mtime  # inputs reused, not prepared again
+    assert (work / "cached_scores.npy").read_bytes() == cached_before
+    assert resumed["top10_overlap"] == full["top10_overlap"]
+    assert resumed["cached_query_ms"] == full["cached_query_ms"]  # the finished level is reported, not re-run
+    # other settings: the folder is not reused
+    other = bench.main([a if a != "3" else "2" for a in argv])
+    assert other["n_queries"] == 2 and (work / "states.f32").stat().st_mtime_ns != states_mtime
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("module", ["precompute.attribution", "bench.attribution"])
 def test_help(module):
     proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
