@@ -1,6 +1,6 @@
 """Training throughput of PRISM vs its dense baseline, measured side by side in one process.
 
-    python bench/train_throughput.py --backbone smollm2 --corpus data.jsonl --n-layers 2 --n-prototypes 1024
+    python -m bench.train_throughput --backbone smollm2 --corpus data.jsonl --n-layers 2 --n-prototypes 1024
 
 Both models train the same top layers (top mode, cached lower states) on the same batches; steps alternate
 PRISM, dense, PRISM, dense, ... so machine noise hits both alike. Prints one JSON line with the median seconds per
@@ -26,7 +26,8 @@ from prism.train import TrainArgs, TrainModule, _set_trainable, init_prototypes
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.train_throughput",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--backbone", default="smollm2")
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--n-layers", type=int, default=2)
