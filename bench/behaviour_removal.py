@@ -10,8 +10,12 @@ share of continuations with at least one marker. The cost is held-out perplexity
 and news documents of the validation split), with and without the suppression; perplexity on held-out King James
 text is reported too (it is expected to rise: that register is what is removed).
 
-Prints one JSON line (also written to --out): prompts, rates before/after and their relative drop, perplexities
-before/after and the relative change, the preset's size, and a few example continuation pairs.
+The continuations' fluency is scored too: their perplexity given the prompt under the untouched backbone (a judge
+neither condition changes), so that a preset which removes the markers by breaking the text shows it.
+
+Prints one JSON line (also written to --out): prompts, rates before/after and their relative drop, the judge's
+perplexity of the continuations before/after, held-out perplexities before/after and the relative change, the
+preset's size, and a few example continuation pairs.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import torch
 from tqdm.auto import tqdm
 
 from precompute.corpus import iter_documents
-from precompute.presets import PRESETS, preset_prototypes
+from precompute.presets import PRESETS, REASONS, PresetArgs, find_prototypes, preset_prototypes
 from precompute.runs import connect
 from prism import Interventions, PrismForCausalLM
-from prism.backbones import load_tokenizer
+from prism.backbones import load_backbone, load_tokenizer
 from prism.data import is_validation, pack
 from prism.eval import evaluate_lm
 
@@ -41,11 +45,12 @@ logger = logging.getLogger("bench.behaviour_removal")
 SOURCES = {"kjv-register": "kjv"}  # preset -> the corpus source whose held-out documents give the prompts
 
 
-def held_out(corpus: str, val_fraction: float) -> dict[str, list]:
-    """Validation documents of the corpus by source: {source: [Document, ...]} in corpus order."""
+def held_out(corpus: str, val_fraction: float, split: str = "val") -> dict[str, list]:
+    """Documents of one split of the corpus by source: {source: [Document, ...]} in corpus order. "val" is the
+    training run's held-out split; "train" the rest (for tuning a preset's rule without touching held-out prompts)."""
     by_source: dict[str, list] = {}
     for doc in iter_documents(corpus):
-        if is_validation(doc.doc_id, val_fraction):
+        if is_validation(doc.doc_id, val_fraction) == (split == "val"):
             by_source.setdefault(doc.source, []).append(doc)
     return by_source
 
@@ -62,8 +67,10 @@ def make_prompts(docs: list, n: int, words: int, seed: int) -> list[str]:
 
 @torch.no_grad()
 def continuations(model: PrismForCausalLM, tokenizer, prompts: list[str], interventions: Interventions | None,
-                  max_new_tokens: int, batch_size: int, seed: int, temperature: float, top_p: float) -> list[str]:
-    """Sampled continuations (text only), batched with left padding; batch b uses seed + b in both conditions."""
+                  max_new_tokens: int, batch_size: int, seed: int, temperature: float, top_p: float,
+                  token_ids: list | None = None) -> list[str]:
+    """Sampled continuations (text), batched with left padding; batch b uses seed + b in both conditions.
+    token_ids, when given, receives each continuation's token ids up to its first end-of-text."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
     for b, lo in enumerate(tqdm(range(0, len(prompts), batch_size), desc="generating", unit="batch", leave=False)):
@@ -76,7 +83,26 @@ def continuations(model: PrismForCausalLM, tokenizer, prompts: list[str], interv
                                                    top_p=top_p, seed=seed + b)]
         new = torch.stack(steps, dim=1)  # (B, n)
         out += tokenizer.batch_decode(new, skip_special_tokens=True)
+        if token_ids is not None:
+            for row in new.tolist():
+                token_ids.append(row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row)
     return out
+
+
+@torch.no_grad()
+def judge_perplexity(judge, tokenizer, prompts: list[str], token_ids: list[list[int]]) -> dict[str, float]:
+    """How fluent continuations are: the perplexity of their tokens given the prompt under a judge model (the
+    untouched backbone, which neither condition changes). Gibberish scores high even where it has no marker."""
+    nll, n = 0.0, 0
+    for prompt, cont in zip(prompts, token_ids, strict=True):
+        if not cont:
+            continue
+        head = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([head + cont])
+        logits = judge(ids).logits[0, len(head) - 1: -1].float()
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(cont), reduction="sum").item()
+        n += len(cont)
+    return {"perplexity": math.exp(nll / n) if n else float("nan"), "tokens": n}
 
 
 def rate(texts: list[str], pattern) -> dict[str, float]:
@@ -98,57 +124,85 @@ def perplexity(model: PrismForCausalLM, tokenizer, docs: list, interventions: In
 
 def run(args: argparse.Namespace) -> dict:
     spec = PRESETS[args.preset]
-    model = PrismForCausalLM.from_pretrained(args.model).eval()
-    tokenizer = load_tokenizer(str(args.model))
+    rule = None if args.rules is None else PresetArgs(  # checked before anything heavy is loaded
+        min_share=args.min_share, signature_top=args.signature_top,
+        rules=tuple(r.strip() for r in args.rules.split(",") if r.strip()))
     con = connect(args.db, read_only=True)
     try:
-        found = preset_prototypes(con, args.preset)
+        if rule is None:  # the stored preset, exactly what the app's button applies
+            found = preset_prototypes(con, args.preset)
+        else:  # a variant of the rule, found afresh (read-only) for tuning
+            found = [{"prototype_id": pid, "reasons": reasons}
+                     for pid, reasons in find_prototypes(con, PRESETS[args.preset], rule).items()]
     finally:
         con.close()
     if not found:
         raise ValueError(f"the database holds no prototypes for preset {args.preset!r}: run "
                          "python -m precompute.presets --db ... first")
+    model = PrismForCausalLM.from_pretrained(args.model).eval()
+    tokenizer = load_tokenizer(str(args.model))
     ids = [r["prototype_id"] for r in found]
     suppress = Interventions(suppress=frozenset(ids))
-    docs = held_out(args.corpus, args.val_fraction)
+    docs = held_out(args.corpus, args.val_fraction, args.prompt_split)
     source = SOURCES[args.preset]
     prompts = make_prompts(docs.get(source, []), args.prompts, args.prompt_words, args.seed)
     pattern = spec.marker_pattern()
-    gen = {}
+    gen, gen_ids = {}, {}
     for name, iv in (("before", None), ("after", suppress)):
+        gen_ids[name] = []
         gen[name] = continuations(model, tokenizer, prompts, iv, args.max_new_tokens, args.batch_size, args.seed,
-                                  args.temperature, args.top_p)
+                                  args.temperature, args.top_p, token_ids=gen_ids[name])
     rates = {name: rate(texts, pattern) for name, texts in gen.items()}
-    other = [d for s, ds in sorted(docs.items()) if s != source for d in ds]
-    ppl = {}
-    for name, iv in (("before", None), ("after", suppress)):
-        ppl[name] = {"other": perplexity(model, tokenizer, other, iv, args.max_eval_tokens, args.seq_len,
-                                         args.batch_size),
-                     source: perplexity(model, tokenizer, docs[source], iv, args.max_eval_tokens, args.seq_len,
-                                        args.batch_size)}
+    fluency = {}
+    if not args.no_judge:
+        judge_spec = args.judge or model.config.backbone
+        if not judge_spec:
+            raise ValueError("the model names no backbone to judge fluency with: give --judge or --no-judge")
+        judge = load_backbone(judge_spec)
+        judged = {name: judge_perplexity(judge, tokenizer, prompts, ids) for name, ids in gen_ids.items()}
+        del judge
+        fluency = {"judge": judge_spec, "judge_ppl_before": judged["before"]["perplexity"],
+                   "judge_ppl_after": judged["after"]["perplexity"],
+                   "judge_ppl_change": judged["after"]["perplexity"] / judged["before"]["perplexity"] - 1}
     before, after = rates["before"], rates["after"]
     drop = 1 - after["markers_per_100_words"] / before["markers_per_100_words"] \
         if before["markers_per_100_words"] else float("nan")
-    other_change = ppl["after"]["other"]["perplexity"] / ppl["before"]["other"]["perplexity"] - 1
+    result = {}
+    if not args.skip_perplexity:  # always on held-out text, whatever split the prompts came from
+        val = docs if args.prompt_split == "val" else held_out(args.corpus, args.val_fraction, "val")
+        other = [d for s, ds in sorted(val.items()) if s != source for d in ds]
+        ppl = {}
+        for name, iv in (("before", None), ("after", suppress)):
+            ppl[name] = {"other": perplexity(model, tokenizer, other, iv, args.max_eval_tokens, args.seq_len,
+                                             args.batch_size),
+                         source: perplexity(model, tokenizer, val[source], iv, args.max_eval_tokens, args.seq_len,
+                                            args.batch_size)}
+        other_change = ppl["after"]["other"]["perplexity"] / ppl["before"]["other"]["perplexity"] - 1
+        result = {
+            "ppl_other_before": ppl["before"]["other"]["perplexity"],
+            "ppl_other_after": ppl["after"]["other"]["perplexity"],
+            "ppl_other_change": other_change, "other_tokens": ppl["before"]["other"]["tokens"],
+            f"ppl_{source}_before": ppl["before"][source]["perplexity"],
+            f"ppl_{source}_after": ppl["after"][source]["perplexity"],
+        }
     reasons: dict[str, int] = {}
     for r in found:
         for reason in r["reasons"]:
             reasons[reason] = reasons.get(reason, 0) + 1
     examples = [{"prompt": p, "before": b, "after": a}
                 for p, b, a in list(zip(prompts, gen["before"], gen["after"], strict=True))[: args.examples]]
+    goals = {"rate_drop_at_least_0.70": bool(drop >= 0.70)}
+    if result:
+        goals["ppl_change_within_0.02"] = abs(result["ppl_other_change"]) <= 0.02
     return {
-        "preset": args.preset, "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes,
-        "reasons": reasons, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "rate_before": before, "rate_after": after, "rate_drop": drop,
+        "preset": args.preset, "rule": "stored" if args.rules is None else
+        {"rules": args.rules, "signature_top": args.signature_top, "min_share": args.min_share},
+        "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes,
+        "reasons": reasons, "prompt_split": args.prompt_split, "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "rate_before": before, "rate_after": after, "rate_drop": drop,
         "share_drop": 1 - after["share_with_marker"] / before["share_with_marker"]
         if before["share_with_marker"] else float("nan"),
-        "ppl_other_before": ppl["before"]["other"]["perplexity"],
-        "ppl_other_after": ppl["after"]["other"]["perplexity"],
-        "ppl_other_change": other_change, "other_tokens": ppl["before"]["other"]["tokens"],
-        f"ppl_{source}_before": ppl["before"][source]["perplexity"],
-        f"ppl_{source}_after": ppl["after"][source]["perplexity"],
-        "goals": {"rate_drop_at_least_0.70": bool(drop >= 0.70), "ppl_change_within_0.02": abs(other_change) <= 0.02},
-        "examples": examples,
+        **fluency, **result, "goals": goals, "examples": examples,
     }
 
 
@@ -160,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="kjv-register", choices=sorted(SOURCES))
     parser.add_argument("--corpus", default="default", help="the corpus the model was trained on")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="the training run's held-out fraction")
+    parser.add_argument("--prompt-split", choices=("val", "train"), default="val",
+                        help="documents the prompts come from: held-out (the measurement) or training (tuning)")
+    parser.add_argument("--skip-perplexity", action="store_true", help="rates only (tuning)")
+    parser.add_argument("--judge", default=None,
+                        help="model that scores the continuations' fluency (default: the model's untouched backbone)")
+    parser.add_argument("--no-judge", action="store_true", help="skip the fluency score")
+    tune = parser.add_argument_group("rule variant (tuning): find the prototypes afresh instead of the stored preset")
+    tune.add_argument("--rules", help="comma-separated subset of " + ", ".join(REASONS))
+    tune.add_argument("--signature-top", type=int, default=PresetArgs.signature_top)
+    tune.add_argument("--min-share", type=float, default=PresetArgs.min_share)
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--prompt-words", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -183,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         result = run(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:
+    except (ValueError, FileNotFoundError, KeyError) as err:  # a bad rule variant (PresetArgs) lands here too
         parser.error(str(err))
     line = json.dumps(result)
     if args.out:

@@ -4,13 +4,16 @@ idempotent and refuses other arguments; the behaviour-removal benchmark runs end
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
+import torch
 from test_app_support import build_tiny_db, build_tiny_model
 
 from precompute import presets
 from precompute.runs import JobArgsMismatch, connect, start_job
+from prism.backbones import load_backbone, load_tokenizer
 
 MARKERS = set(presets.PRESETS["kjv-register"].markers)
 OTHER = ["the", " of", " and", " you", " him", "ing", " said", " lord", " art", "thee-like"]
@@ -142,7 +145,8 @@ def test_behaviour_removal_bench_runs_on_a_tiny_model(tiny, tmp_path, capsys):
 
     result = behaviour_removal.main(["--model", str(tiny["model"]), "--db", str(tiny["db"]), "--prompts", "4",
                                      "--max-new-tokens", "3", "--max-eval-tokens", "64", "--seq-len", "16",
-                                     "--batch-size", "2", "--out", str(tmp_path / "b.json")])
+                                     "--batch-size", "2", "--out", str(tmp_path / "b.json"),
+                                     "--judge", str(tiny["model"].parent / "backbone")])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == json.loads((tmp_path / "b.json").read_text())
     assert result["n_prototypes"] == 3 and result["share_of_bank"] == 3 / tiny["n"] and result["prompts"] == 4
@@ -150,6 +154,28 @@ def test_behaviour_removal_bench_runs_on_a_tiny_model(tiny, tmp_path, capsys):
     assert result["ppl_other_before"] > 1 and result["ppl_other_after"] > 1 and result["other_tokens"] > 0
     # suppressing prototypes of this strong tiny bank changes the held-out perplexity
     assert result["ppl_other_after"] != result["ppl_other_before"]
+    assert result["judge_ppl_before"] > 1 and result["judge_ppl_after"] > 1
+    assert result["judge_ppl_change"] == pytest.approx(result["judge_ppl_after"] / result["judge_ppl_before"] - 1)
+
+
+def test_judge_perplexity_matches_the_judges_own_loss(tiny):
+    from bench.behaviour_removal import judge_perplexity
+
+    judge = load_backbone(str(tiny["model"].parent / "backbone"))
+    tokenizer = load_tokenizer(str(tiny["model"]))
+    prompts = ["the river", "a small town by the"]
+    conts = [tokenizer(" flows into the sea", add_special_tokens=False)["input_ids"],
+             tokenizer(" old mill", add_special_tokens=False)["input_ids"]]
+    got = judge_perplexity(judge, tokenizer, prompts, conts)
+    nll, n = 0.0, 0
+    for prompt, cont in zip(prompts, conts):  # the transformers loss with the prompt masked out, per sequence
+        head = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        labels = torch.tensor([[-100] * len(head) + cont])
+        with torch.no_grad():
+            loss = judge(torch.tensor([head + cont]), labels=labels).loss.item()
+        nll, n = nll + loss * len(cont), n + len(cont)
+    assert got["tokens"] == n and got["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert judge_perplexity(judge, tokenizer, prompts, [[], []])["tokens"] == 0
 
 
 def test_app_applies_a_preset_to_this_session_only(tiny):
