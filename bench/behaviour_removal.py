@@ -14,7 +14,8 @@ The continuations' fluency is scored too: their perplexity given the prompt unde
 neither condition changes), so that a preset which removes the markers by breaking the text shows it.
 
 Prints one JSON line (also written to --out): prompts, rates before/after and their relative drop, the judge's
-perplexity of the continuations before/after, held-out perplexities before/after and the relative change, the
+perplexity of the continuations before/after, held-out perplexities before/after and the relative change, how
+much of the model's own prototype activity on each held-out source the preset covers (active_share_*), the
 preset's size, and a few example continuation pairs.
 """
 
@@ -113,13 +114,39 @@ def rate(texts: list[str], pattern) -> dict[str, float]:
             "markers": sum(hits), "words": words}
 
 
-def perplexity(model: PrismForCausalLM, tokenizer, docs: list, interventions: Interventions | None,
-               max_tokens: int, seq_len: int, batch_size: int) -> dict[str, float]:
+def _blocks(tokenizer, docs: list, max_tokens: int, seq_len: int) -> np.ndarray:
     stream = np.concatenate([np.asarray(tokenizer(d.text, add_special_tokens=False)["input_ids"] +
                                         [tokenizer.eos_token_id], dtype=np.int32) for d in docs])
-    blocks = pack(stream, seq_len)[: max(1, max_tokens // seq_len)]
+    return pack(stream, seq_len)[: max(1, max_tokens // seq_len)]
+
+
+def perplexity(model: PrismForCausalLM, tokenizer, docs: list, interventions: Interventions | None,
+               max_tokens: int, seq_len: int, batch_size: int) -> dict[str, float]:
+    blocks = _blocks(tokenizer, docs, max_tokens, seq_len)
     return evaluate_lm(lambda ids: model(ids, interventions=interventions).logits, blocks, batch_size,
                        "perplexity")
+
+
+@torch.no_grad()
+def active_share(model: PrismForCausalLM, tokenizer, docs: list, ids: list[int], max_tokens: int, seq_len: int,
+                 batch_size: int) -> dict[str, float]:
+    """How much of the model's own prototype activity on these documents belongs to the set: the share of active
+    slots and of activation mass, and the share of positions where at least half of the k active prototypes are in
+    it (where suppression leaves the prediction mostly to the residual)."""
+    blocks = torch.from_numpy(_blocks(tokenizer, docs, max_tokens, seq_len).astype(np.int64))
+    members = torch.tensor(sorted(ids))
+    slots = mass = total = half = positions = 0.0
+    for lo in range(0, len(blocks), batch_size):
+        out = model(blocks[lo: lo + batch_size])
+        inside = torch.isin(out.prototype_ids, members)  # (B, T, k)
+        slots += inside.sum().item()
+        mass += (out.activations * inside).sum().item()
+        total += out.activations.sum().item()
+        half += (2 * inside.sum(-1) >= inside.shape[-1]).sum().item()
+        positions += inside.shape[0] * inside.shape[1]
+    k = model.config.top_k
+    return {"slots": slots / (positions * k), "activation_mass": mass / total if total else float("nan"),
+            "positions_half_or_more": half / positions}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -178,7 +205,10 @@ def run(args: argparse.Namespace) -> dict:
                          source: perplexity(model, tokenizer, val[source], iv, args.max_eval_tokens, args.seq_len,
                                             args.batch_size)}
         other_change = ppl["after"]["other"]["perplexity"] / ppl["before"]["other"]["perplexity"] - 1
+        share = {name: active_share(model, tokenizer, ds, ids, args.max_eval_tokens, args.seq_len, args.batch_size)
+                 for name, ds in (("other", other), (source, val[source]))}
         result = {
+            "active_share_other": share["other"], f"active_share_{source}": share[source],
             "ppl_other_before": ppl["before"]["other"]["perplexity"],
             "ppl_other_after": ppl["after"]["other"]["perplexity"],
             "ppl_other_change": other_change, "other_tokens": ppl["before"]["other"]["tokens"],

@@ -155,7 +155,39 @@ def test_behaviour_removal_bench_runs_on_a_tiny_model(tiny, tmp_path, capsys):
     # suppressing prototypes of this strong tiny bank changes the held-out perplexity
     assert result["ppl_other_after"] != result["ppl_other_before"]
     assert result["judge_ppl_before"] > 1 and result["judge_ppl_after"] > 1
+    assert 0 <= result["active_share_other"]["slots"] <= 1 and 0 <= result["active_share_other"]["activation_mass"] <= 1
     assert result["judge_ppl_change"] == pytest.approx(result["judge_ppl_after"] / result["judge_ppl_before"] - 1)
+
+
+def test_active_share_counts_the_sets_slots_and_mass(tiny):
+    from bench.behaviour_removal import active_share
+    from prism import PrismForCausalLM
+
+    model = PrismForCausalLM.from_pretrained(tiny["model"]).eval()
+    tokenizer = load_tokenizer(str(tiny["model"]))
+    docs = [type("Doc", (), {"text": "the river flows into the sea and the town by the mill"})()] * 4
+    ids = [0, 1, 2]
+    got = active_share(model, tokenizer, docs, ids, max_tokens=32, seq_len=8, batch_size=3)
+    stream = []  # independent count over the same blocks, one position at a time
+    for d in docs:
+        stream += tokenizer(d.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    blocks = [stream[i: i + 8] for i in range(0, 32, 8)]
+    slots = mass = total = half = n = 0
+    with torch.no_grad():
+        for b in blocks:
+            out = model(torch.tensor([b]))
+            for pids, acts in zip(out.prototype_ids[0].tolist(), out.activations[0].tolist()):
+                hit = [p in ids for p in pids]
+                slots += sum(hit)
+                mass += sum(a for a, h in zip(acts, hit) if h)
+                total += sum(acts)
+                half += 2 * sum(hit) >= len(hit)
+                n += 1
+    k = model.config.top_k
+    assert got["slots"] == pytest.approx(slots / (n * k))
+    assert got["activation_mass"] == pytest.approx(mass / total)
+    assert got["positions_half_or_more"] == pytest.approx(half / n)
+    assert got["slots"] > 0  # the tiny bank's prototypes 0-2 are active somewhere, so the test can fail
 
 
 def test_judge_perplexity_matches_the_judges_own_loss(tiny):
