@@ -50,8 +50,9 @@ PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
         name="kjv-register",
         title="Remove the King James register",
         description="Suppress the prototypes behind the archaic pronouns and verb forms the King James Bible "
-                    "teaches (thee, thou, thy, hath, unto, saith, ...). How far that moves biblical prompts to "
-                    "modern words is measured by bench/behaviour_removal.py.",
+                    "teaches (thee, thou, thy, hath, unto, saith, ...). On held-out verse prompts it removes about "
+                    "9 in 10 marker words and leaves other text's perplexity within 1%, but continuations of "
+                    "biblical prompts lose much of their fluency (bench/behaviour_removal.py, docs/RESULTS.md).",
         markers=("thee", "thou", "thy", "thine", "ye", "hath", "hast", "doth", "dost", "saith", "shalt", "wilt",
                  "unto", "spake", "begat"),
     ),
@@ -61,7 +62,7 @@ PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
 @dataclass
 class PresetArgs:
     min_share: float = 0.3  # next_token rule: share of marker words among the tokens after the evidence
-    signature_top: int = 10  # signature rule: how many of W p_i's top tokens are looked at
+    signature_top: int = 20  # signature rule: how many of W p_i's top tokens are looked at (the evidence job stores 20)
     rules: tuple[str, ...] = REASONS
     presets: tuple[str, ...] = field(default_factory=lambda: tuple(PRESETS))
 
