@@ -31,7 +31,8 @@ def test_assets_are_lean_and_hold_only_the_model_and_its_database():
     assert total < MAX_ASSETS_MB, f"assets/ holds {total:.1f} MB"
     names = {p.relative_to(ASSETS).as_posix() for p in files}
     assert "model/config.json" in names and "model/model.safetensors" in names
-    assert all(n.startswith("model/") or n.endswith(".duckdb") or n == "README.md" for n in names), names
+    assert all(n.startswith("model/") or n.endswith(".duckdb") or n == "README.md" or
+               (n.startswith("controllers/") and n.endswith(".safetensors")) for n in names), names
 
 
 def test_model_holds_only_its_trained_parts():
@@ -110,3 +111,38 @@ def test_default_model_explains_a_token_exactly(shipped):
     d = shipped.model.decompose(ids, position=-1)
     assert abs(d.residual + sum(d.contributions) - d.logit) <= 1e-4 * max(1.0, abs(d.logit))
     assert 0 < len(d.prototype_ids) <= shipped.model.config.top_k
+
+
+CONTROLLERS = sorted((ASSETS / "controllers").glob("*.safetensors"))
+
+
+def test_controllers_are_shipped():
+    assert {p.stem for p in CONTROLLERS} == {"next_sentence"}
+
+
+@pytest.mark.parametrize("path", CONTROLLERS, ids=lambda p: p.stem)
+def test_shipped_controller_belongs_to_the_default_model_and_acts_exactly(shipped, path):
+    from app import controllers as app_controllers
+    from prism import Interventions
+
+    controller = app_controllers.load(shipped, path)  # refuses a controller of another bank
+    meta = controller.meta
+    assert meta["task"] == path.stem and not Path(meta["items_file"]).is_absolute()
+    factors = controller.factors
+    moved = controller.moved()
+    assert 0 < len(moved) <= shipped.model.config.n_prototypes
+    assert float(factors.min()) >= 0.1 - 1e-6 and float(factors.max()) <= 10 + 1e-6
+    assert all(abs(float(factors[i]) - 1) > 0 for i in moved)
+    view = app_controllers.describe(shipped, controller, n=3)
+    assert view["raised"] or view["lowered"]
+    assert all(r["label"] for r in view["raised"] + view["lowered"])  # every moved prototype shown has a label
+    # applied through Interventions: the decomposition stays exact and the logits change where a moved one is active
+    ids = torch.tensor([shipped.tokenizer("And it came to pass in those days, that the king said")["input_ids"]])
+    iv = Interventions(controller=controller)
+    plain = shipped.model(ids)
+    steered = shipped.model(ids, interventions=iv)
+    active_moved = torch.isin(plain.prototype_ids, torch.tensor(moved)).any(-1)  # (1, T)
+    changed = (steered.logits - plain.logits).abs().amax(-1) > 1e-6  # (1, T)
+    assert bool(changed.any()) and not bool((changed & ~active_moved).any())  # only where a moved one is active
+    d = shipped.model.decompose(ids, position=-1, interventions=iv)
+    assert abs(d.residual + sum(d.contributions) - d.logit) <= 1e-4 * max(1.0, abs(d.logit))
