@@ -151,9 +151,14 @@ def active_share(model: PrismForCausalLM, tokenizer, docs: list, ids: list[int],
 
 def run(args: argparse.Namespace) -> dict:
     spec = PRESETS[args.preset]
-    rule = None if args.rules is None else PresetArgs(  # checked before anything heavy is loaded
-        min_share=args.min_share, signature_top=args.signature_top,
-        rules=tuple(r.strip() for r in args.rules.split(",") if r.strip()))
+    rule = None  # checked before anything heavy is loaded
+    if (args.rules, args.signature_top, args.min_share) != (None, None, None):  # any rule option: a variant
+        defaults = PresetArgs()
+        rule = PresetArgs(
+            min_share=defaults.min_share if args.min_share is None else args.min_share,
+            signature_top=defaults.signature_top if args.signature_top is None else args.signature_top,
+            rules=defaults.rules if args.rules is None else
+            tuple(r.strip() for r in args.rules.split(",") if r.strip()))
     con = connect(args.db, read_only=True)
     try:
         if rule is None:  # the stored preset, exactly what the app's button applies
@@ -225,8 +230,8 @@ def run(args: argparse.Namespace) -> dict:
     if result:
         goals["ppl_change_within_0.02"] = abs(result["ppl_other_change"]) <= 0.02
     return {
-        "preset": args.preset, "rule": "stored" if args.rules is None else
-        {"rules": args.rules, "signature_top": args.signature_top, "min_share": args.min_share},
+        "preset": args.preset, "rule": "stored" if rule is None else
+        {"rules": ",".join(rule.rules), "signature_top": rule.signature_top, "min_share": rule.min_share},
         "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes,
         "reasons": reasons, "prompt_split": args.prompt_split, "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "rate_before": before, "rate_after": after, "rate_drop": drop,
@@ -252,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-judge", action="store_true", help="skip the fluency score")
     tune = parser.add_argument_group("rule variant (tuning): find the prototypes afresh instead of the stored preset")
     tune.add_argument("--rules", help="comma-separated subset of " + ", ".join(REASONS))
-    tune.add_argument("--signature-top", type=int, default=PresetArgs.signature_top)
-    tune.add_argument("--min-share", type=float, default=PresetArgs.min_share)
+    tune.add_argument("--signature-top", type=int, default=None,
+                      help=f"signature rule's top tokens (stored preset's rule: {PresetArgs.signature_top})")
+    tune.add_argument("--min-share", type=float, default=None,
+                      help=f"next_token rule's share (stored preset's rule: {PresetArgs.min_share})")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--prompt-words", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)

@@ -159,6 +159,22 @@ def test_behaviour_removal_bench_runs_on_a_tiny_model(tiny, tmp_path, capsys):
     assert result["judge_ppl_change"] == pytest.approx(result["judge_ppl_after"] / result["judge_ppl_before"] - 1)
 
 
+def test_behaviour_removal_bench_honours_any_rule_option(tiny, capsys):
+    from bench import behaviour_removal
+
+    base = ["--model", str(tiny["model"]), "--db", str(tiny["db"]), "--prompts", "2", "--max-new-tokens", "2",
+            "--skip-perplexity", "--no-judge"]
+    # the stored preset holds prototypes 0-2; the real rules find none in the tiny database, so a rule option
+    # given alone must switch to the rule (and say so) instead of silently measuring the stored preset
+    for option in (["--signature-top", "5"], ["--min-share", "0.5"], ["--rules", "label"]):
+        with pytest.raises(SystemExit):
+            behaviour_removal.main(base + option)
+        assert "holds no prototypes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        behaviour_removal.main(base + ["--min-share", "2"])
+    assert "--min-share must be in (0, 1]" in capsys.readouterr().err
+
+
 def test_active_share_counts_the_sets_slots_and_mass(tiny):
     from bench.behaviour_removal import active_share
     from prism import PrismForCausalLM
