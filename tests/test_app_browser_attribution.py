@@ -6,8 +6,6 @@ Needs `apt-get install -y chromium`; without it the browser test FAILS.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from test_app_support import ROOT, build_tiny_attribution_db, running_app, shared_assets
@@ -18,9 +16,6 @@ from app.session import Session
 from precompute import attribution as cache
 from prism.attribution import query_gradient
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--no-first-run"]
 ARTIFACTS = ROOT / "test-artifacts"
 PROMPT = "the cat sat on the"
 TOKENS = 8
@@ -94,29 +89,23 @@ def test_attribute_endpoint(app, studio):
     assert "Training data behind token 2" in html
 
 
-def test_click_a_token_and_see_its_training_data(app):
-    if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium with `apt-get install -y chromium`")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.set_default_timeout(TIMEOUT)
-        page.goto(app)
-        page.wait_for_selector("#prompt")
-        page.fill("#prompt textarea", PROMPT)
-        page.locator("input[aria-label='number input for Max new tokens']").fill(str(TOKENS))
-        page.locator("input[aria-label='number input for Max new tokens']").press("Tab")
-        page.click("#generate")
-        page.wait_for_function(f"document.querySelectorAll('#original .textfield .token').length == {TOKENS}")
-        page.locator("#original .textfield .token").nth(2).click()
-        page.wait_for_function("document.querySelector('#attribution').innerText.includes('Training data behind "
-                               "token 2')")
-        cards = page.locator("#attribution .prism-attribution")
-        assert cards.count() == 10
-        assert "score" in cards.first.inner_text() and "doc-" in cards.first.inner_text()
-        assert page.locator("#attribution span[style*='outline']").count() >= 1  # the strongest token is marked
-        page.locator("#attribution").scroll_into_view_if_needed()
-        page.screenshot(path=str(ARTIFACTS / "app-attribution.png"), full_page=True)
-        browser.close()
+def test_click_a_token_and_see_its_training_data(app, browser):
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.set_default_timeout(TIMEOUT)
+    page.goto(app)
+    page.wait_for_selector("#prompt")
+    page.fill("#prompt textarea", PROMPT)
+    page.locator("input[aria-label='number input for Max new tokens']").fill(str(TOKENS))
+    page.locator("input[aria-label='number input for Max new tokens']").press("Tab")
+    page.click("#generate")
+    page.wait_for_function(f"document.querySelectorAll('#original .textfield .token').length == {TOKENS}")
+    page.locator("#original .textfield .token").nth(2).click()
+    page.wait_for_function("document.querySelector('#attribution').innerText.includes('Training data behind "
+                           "token 2')")
+    cards = page.locator("#attribution .prism-attribution")
+    assert cards.count() == 10
+    assert "score" in cards.first.inner_text() and "doc-" in cards.first.inner_text()
+    assert page.locator("#attribution span[style*='outline']").count() >= 1  # the strongest token is marked
+    page.locator("#attribution").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "app-attribution.png"), full_page=True)
+    page.close()
