@@ -15,7 +15,9 @@ Steps (the paper's goals: cached >= 470x faster per query than EK-FAC at no more
    cached    the query's forward pass, its k gradient rows and the sparse product, per query (cached_query_ms);
    ekfac     kronfluence EK-FAC over the trainable layers: fit (ekfac_fit_s), then the queries' states and pairwise
              scores against every training sequence, divided by the number of queries (ekfac_query_ms, amortised
-             over query batches of --ekfac-query-batch: the cheapest per-query cost kronfluence offers);
+             over query batches of --ekfac-query-batch: every batch is one pass over the training sequences, so
+             one query asked alone costs about a whole pass and a larger batch costs less per query, as long as
+             its preconditioned gradients fit in memory);
    reference exact gradients with the full coupled curvature (reference_s, all queries).
 Prints one JSON line: latencies, one-off costs, the speed-up (ekfac_query_ms / cached_query_ms), peak RSS of each,
 and the mean top-10 overlap of cached vs reference (and of EK-FAC vs reference, for scale).
@@ -25,6 +27,10 @@ forward and backward on every training token; with a 49k vocabulary that is abou
 hours for 4096 x 128 tokens on two cores. --ekfac-queries 10 scores one query batch (the per-query cost is the
 same); the reference and the cached level take minutes.
 
+--resume keeps what still fits: the prepared inputs when the settings that made them match and the database holds
+the same training sequences (compared by content), and each finished level whose own settings match (so a new
+--coverage, or another database with the same sequences, re-runs only the levels that read it).
+
 --in-process runs every step in this process (for tests: fast, but then the RSS numbers are this process's peak).
 """
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -249,9 +256,15 @@ def run_reference(ns, work: Path) -> dict:
 
 
 RUNNERS = {"cached": run_cached, "ekfac": run_ekfac, "reference": run_reference}
-# What a scratch folder depends on: --resume reuses one only when all of these match.
-RESUME_KEYS = ("model", "db", "corpus", "n_train", "seq_len", "n_queries", "rank", "damping", "mode", "extra",
-               "coverage", "batch_size", "ekfac_query_batch", "ekfac_queries", "peer_layers", "seed")
+# What --resume compares. The prepared inputs (training ids, queries, states) depend on PREPARE_KEYS and on the
+# training sequences themselves (checked by content, so another database holding the same sequences reuses them);
+# each finished level is reused only when its own LEVEL_KEYS match too, so changing, say, --coverage or the
+# database's cache re-runs the cached level alone.
+PREPARE_KEYS = ("model", "corpus", "n_train", "seq_len", "n_queries", "batch_size", "peer_layers", "seed")
+LEVEL_KEYS = {"cached": ("db", "rank", "damping", "mode", "extra", "coverage"),
+              "ekfac": ("ekfac_query_batch", "ekfac_queries"),
+              "reference": ("db", "rank", "damping")}
+RESUME_KEYS = PREPARE_KEYS + tuple(dict.fromkeys(k for keys in LEVEL_KEYS.values() for k in keys))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,30 +316,77 @@ def ensure_cache(ns) -> dict:
     return {"cached_build_s": time.perf_counter() - t0, "cached_build_peak_rss_mb": rss, "cache_reused": False}
 
 
+def _training_fingerprint(ids: np.ndarray, offsets: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids, np.int64).tobytes() +
+                          np.ascontiguousarray(offsets, np.int64).tobytes()).hexdigest()
+
+
+def _database_fingerprint(ns) -> tuple[str, int]:
+    """The fingerprint of the training sequences the database's cache holds, and its rank."""
+    from precompute.__main__ import DEFAULT_MODEL
+    from prism.backbones import load_tokenizer
+
+    tokenizer = load_tokenizer(str(DEFAULT_MODEL if ns.model == "default" else ns.model))
+    con = duckdb.connect(str(ns.db), read_only=True)
+    try:
+        train_ids = cache.sequence_token_ids(con, tokenizer)
+        rank = int(cache.load_factors(con)["basis"].shape[1])
+    finally:
+        con.close()
+    offsets = np.zeros(len(train_ids) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(s) for s in train_ids])
+    return _training_fingerprint(np.concatenate(train_ids), offsets), rank
+
+
+def _reusable_inputs(ns, work: Path, settings: dict) -> int | None:
+    """--resume: the rank of the database's cache if the folder's prepared inputs fit these settings and the
+    database's training sequences, else None."""
+    try:
+        stored = json.loads((work / "settings.json").read_text())
+        if not (work / "meta.json").is_file() or any(stored.get(k) != settings[k] for k in PREPARE_KEYS):
+            return None
+        with np.load(work / "train.npz") as z:
+            prepared = _training_fingerprint(z["ids"], z["offsets"])
+    except (OSError, ValueError, KeyError):
+        return None
+    fingerprint, rank = _database_fingerprint(ns)
+    return rank if prepared == fingerprint else None
+
+
+def _level_settings(work: Path, level: str) -> dict:
+    """The settings a finished level ran with (older folders: the folder's settings.json)."""
+    done = json.loads((work / f"{level}.json").read_text())
+    return done.get("settings") or json.loads((work / "settings.json").read_text())
+
+
 def run(ns) -> dict:
     work = Path(ns.work) if ns.work else Path(ns.db).with_name(Path(ns.db).name + ".bench-attribution")
     settings = {k: getattr(ns, k) for k in RESUME_KEYS}
-    resumed = ns.resume and (work / "settings.json").is_file() and \
-        json.loads((work / "settings.json").read_text()) == settings
-    if ns.resume and work.exists() and not resumed:
-        logger.warning("%s was made with other settings (or is incomplete): starting afresh", work)
-    if not resumed:
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
     result: dict = {"model": Path(ns.model).name}
     result.update(ensure_cache(ns))  # the attribution job resumes on its own
-    if resumed and (work / "meta.json").is_file():
-        result.update(json.loads((work / "meta.json").read_text()))
+    rank = _reusable_inputs(ns, work, settings) if ns.resume and (work / "settings.json").is_file() else None
+    resumed = rank is not None
+    if ns.resume and work.exists() and not resumed:
+        logger.warning("%s was made for other inputs (or is incomplete): starting afresh", work)
+    if resumed:
+        meta = json.loads((work / "meta.json").read_text())
+        meta["rank"] = rank  # the cache in use now, which may not be the one the inputs were prepared with
+        result.update(meta)
     else:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
         result.update(prepare(ns, work))
         (work / "settings.json").write_text(json.dumps(settings))  # only now is the folder worth resuming
     gc.collect()
     for level in ns.levels.split(","):
         done = work / f"{level}.json"
         if resumed and done.is_file() and (work / f"{level}_scores.npy").is_file():
-            logger.info("level %s already measured in %s (--resume)", level, work)
-            result.update(json.loads(done.read_text()))
-            continue
+            ran_with = _level_settings(work, level)
+            if all(ran_with.get(k) == settings[k] for k in LEVEL_KEYS[level]):
+                logger.info("level %s already measured in %s (--resume)", level, work)
+                result.update({k: v for k, v in json.loads(done.read_text()).items() if k != "settings"})
+                continue
+            logger.info("level %s was measured with other settings: running it again", level)
         if ns.in_process:
             out = RUNNERS[level](ns, work)
             out[f"{level}_peak_rss_mb"] = _self_rss_mb()
@@ -334,7 +394,8 @@ def run(ns) -> dict:
             rss = _child(["-m", "bench.attribution", *ns.argv, "--level", level, "--work", str(work)])
             out = json.loads(done.read_text())
             out[f"{level}_peak_rss_mb"] = rss
-        done.write_text(json.dumps(out))  # with its peak RSS, so a resumed run reports it too
+        # with its peak RSS and its settings, so a resumed run reports it too and knows what it measured
+        done.write_text(json.dumps({**out, "settings": {k: settings[k] for k in LEVEL_KEYS[level]}}))
         result.update(out)
     result["rss_per_level_process"] = not ns.in_process
     scores = {lvl: np.load(work / f"{lvl}_scores.npy") for lvl in LEVELS if (work / f"{lvl}_scores.npy").exists()}
@@ -366,14 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-train", type=int, default=4096, help="training sequences when building the cache")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence when building")
     parser.add_argument("--n-queries", type=int, default=50)
-    parser.add_argument("--rank", type=int, default=64, help="cached coordinates per vector when building (0: all)")
+    parser.add_argument("--rank", type=int, default=128, help="cached coordinates per vector when building (0: all)")
     parser.add_argument("--damping", type=float, default=0.1, help="relative damping when building")
     parser.add_argument("--mode", choices=("coupled", "block"), default="coupled",
                         help="cached query side: coupled curvature (default) or block-diagonal")
     parser.add_argument("--extra", type=int, default=None,
                         help="coupled mode: read this many prototypes beyond the query's active ones (default: "
                              "as many as --coverage needs, at most 8 k in all)")
-    parser.add_argument("--coverage", type=float, default=0.9,
+    parser.add_argument("--coverage", type=float, default=0.99,
                         help="coupled mode: share of the preconditioned query's squared norm the read prototypes "
                              "must hold")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward/backward pass, all levels")
@@ -389,8 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", default=None, help="scratch folder (default: beside the database)")
     parser.add_argument("--keep-work", action="store_true", help="keep the scratch folder (scores, states)")
     parser.add_argument("--resume", action="store_true",
-                        help="reuse the scratch folder of an interrupted run with the same settings: prepared inputs "
-                             "and finished levels are kept, the rest runs; a failed run always leaves its folder")
+                        help="reuse the scratch folder of an earlier run: prepared inputs and finished levels are kept "
+                             "where their settings still match, the rest runs; a failed run always leaves its folder")
     parser.add_argument("--in-process", action="store_true", help="run every level in this process (tests)")
     parser.add_argument("--seed", type=int, default=0, help="which queries")
     parser.add_argument("--level", choices=LEVELS, default=None, help=argparse.SUPPRESS)  # internal: one level

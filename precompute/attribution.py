@@ -19,7 +19,9 @@ prism/attribution.py; this job runs it over the corpus in three passes:
 
 Cost: the fit pass is one forward pass of the whole model per window plus, per token, a softmax over the
 vocabulary; its work files hold two d-vectors per token (about 4.7 KB per token for d = 576, 2.4 GB for 4096
-windows of 128 tokens) and are deleted at the end. The later passes touch only those files.
+windows of 128 tokens) and are deleted at the end. The later passes touch only those files. Measured on the
+shipped default (3,072 windows of 64 tokens, 189k target tokens, rank 128, 2 CPU cores): 12 min 25 s in all (fit
+10 min 51 s), peak RSS 2.7 GB, 388 MB added to the database (523,932 cached rows).
 
 Runs in one process (rank 0 of a distributed build). The arguments are stored with the output; other arguments
 are refused unless --overwrite. The read side (load_index, attribution_rows) serves the app.
@@ -77,7 +79,7 @@ class AttributionArgs:
     sequences_per_chunk: int = 256  # sequences per committed chunk of the vectors pass
     limit: int | None = None  # read at most this many documents
     max_sequences: int | None = None  # stop after this many training sequences
-    rank: int = 64  # r, coordinates kept per cached vector (0 or >= d: all of them, no projection)
+    rank: int = 128  # r, coordinates kept per cached vector (0 or >= d: all of them, no projection)
     damping: float = 0.1  # lambda = damping x mean eigenvalue of A (x) S
 
     def __post_init__(self) -> None:
@@ -469,7 +471,7 @@ def load_curvature(con: duckdb.DuckDBPyConnection, factors: dict[str, np.ndarray
 
 
 def load_index(con: duckdb.DuckDBPyConnection, output_embeddings: torch.Tensor, mode: str = "coupled",
-               extra: int | None = None, coverage: float = 0.9, batch_rows: int = 1 << 16) -> CachedIndex:
+               extra: int | None = None, coverage: float = 0.99, batch_rows: int = 1 << 16) -> CachedIndex:
     """Every cached vector and entry in memory, grouped by prototype (what a query reads); streamed from the
     database in batches into preallocated arrays, so loading never holds two copies. output_embeddings: the
     model's LM head weight W (V, d)."""

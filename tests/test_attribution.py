@@ -407,6 +407,20 @@ def test_bench_resume_reruns_only_the_unfinished_level(setup, tmp_path, capsys):
     assert (work / "cached_scores.npy").read_bytes() == cached_before
     assert resumed["top10_overlap"] == full["top10_overlap"]
     assert resumed["cached_query_ms"] == full["cached_query_ms"]  # the finished level is reported, not re-run
+    # a setting of the cached level alone: only that level runs again
+    reference_before = (work / "reference_scores.npy").read_bytes()
+    reference_scores = np.load(work / "reference_scores.npy")
+    wider = bench.main([*argv, "--coverage", "0.99"])
+    assert (work / "states.f32").stat().st_mtime_ns == states_mtime
+    assert (work / "reference_scores.npy").read_bytes() == reference_before
+    assert wider["cached_coverage"] == 0.99 and wider["reference_s"] == resumed["reference_s"]
+    assert json.loads((work / "cached.json").read_text())["settings"]["coverage"] == 0.99
+    # another database holding the same training sequences: inputs reused, the levels that read it run again
+    shutil.copy(tmp_path / "bench.duckdb", tmp_path / "copy.duckdb")
+    copied = bench.main([a if a != str(tmp_path / "bench.duckdb") else str(tmp_path / "copy.duckdb") for a in argv])
+    assert (work / "states.f32").stat().st_mtime_ns == states_mtime
+    assert copied["reference_s"] != resumed["reference_s"] and copied["cache_reused"]
+    np.testing.assert_allclose(np.load(work / "reference_scores.npy"), reference_scores, rtol=1e-5, atol=1e-7)
     # other settings: the folder is not reused
     other = bench.main([a if a != "3" else "2" for a in argv])
     assert other["n_queries"] == 2 and (work / "states.f32").stat().st_mtime_ns != states_mtime
