@@ -134,21 +134,32 @@ def choose_queries(model, tokenizer, ns, train_ids: list[np.ndarray], train_docs
     return queries, source
 
 
-@torch.no_grad()
-def prepare(ns, work: Path) -> dict:
-    """Token ids of the training sequences, the queries and the start-layer states, into the work folder."""
-    model, tokenizer = _load_model(ns.model)
-    con = duckdb.connect(str(ns.db), read_only=True)
+def _database_sequences(db: str, tokenizer) -> tuple[list[np.ndarray], set[str], int]:
+    """The cache's training sequences (token ids), the documents they come from, and the cache's rank."""
+    con = duckdb.connect(str(db), read_only=True)
     try:
         train_ids = cache.sequence_token_ids(con, tokenizer)
         train_docs = {r[0] for r in con.execute("SELECT doc_id FROM attribution_documents").fetchall()}
         rank = int(cache.load_factors(con)["basis"].shape[1])
     finally:
         con.close()
-    queries, source = choose_queries(model, tokenizer, ns, train_ids, train_docs)
-    layer = start_layer_of(model, ns.peer_layers)
+    return train_ids, train_docs, rank
+
+
+def _offsets(train_ids: list[np.ndarray]) -> np.ndarray:
     offsets = np.zeros(len(train_ids) + 1, np.int64)
     offsets[1:] = np.cumsum([len(s) for s in train_ids])
+    return offsets
+
+
+@torch.no_grad()
+def prepare(ns, work: Path) -> dict:
+    """Token ids of the training sequences, the queries and the start-layer states, into the work folder."""
+    model, tokenizer = _load_model(ns.model)
+    train_ids, train_docs, rank = _database_sequences(ns.db, tokenizer)
+    queries, source = choose_queries(model, tokenizer, ns, train_ids, train_docs)
+    layer = start_layer_of(model, ns.peer_layers)
+    offsets = _offsets(train_ids)
     np.savez(work / "train.npz", ids=np.concatenate(train_ids), offsets=offsets)
     (work / "queries.json").write_text(json.dumps([q.__dict__ for q in queries]))
     t0 = time.perf_counter()
@@ -327,15 +338,8 @@ def _database_fingerprint(ns) -> tuple[str, int]:
     from prism.backbones import load_tokenizer
 
     tokenizer = load_tokenizer(str(DEFAULT_MODEL if ns.model == "default" else ns.model))
-    con = duckdb.connect(str(ns.db), read_only=True)
-    try:
-        train_ids = cache.sequence_token_ids(con, tokenizer)
-        rank = int(cache.load_factors(con)["basis"].shape[1])
-    finally:
-        con.close()
-    offsets = np.zeros(len(train_ids) + 1, np.int64)
-    offsets[1:] = np.cumsum([len(s) for s in train_ids])
-    return _training_fingerprint(np.concatenate(train_ids), offsets), rank
+    train_ids, _, rank = _database_sequences(ns.db, tokenizer)
+    return _training_fingerprint(np.concatenate(train_ids), _offsets(train_ids)), rank
 
 
 def _reusable_inputs(ns, work: Path, settings: dict) -> int | None:
