@@ -29,6 +29,7 @@ import torch
 from precompute import query
 from precompute.query import UnknownPrototype
 from prism import Interventions, PrismForCausalLM
+from prism.model import changed_selection
 from prism.backbones import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -155,8 +156,10 @@ class WhyChanged:
     new_token: str
     reference_token: str | None  # None: the intervention did not change this token directly
     message: str
-    effects: list[dict]  # per intervened prototype active here: id, label, effect on logit(new) - logit(ref)
-    flip_set: list[int]  # the smallest leading set of effects whose intervention alone flips the greedy choice
+    effects: list[dict]  # per prototype whose activation changed here (intervened, or a replacement that
+    #                      re-routing brought in): id, label, role, effect on logit(new) - logit(ref); they add up
+    flip_set: list[int]  # the smallest leading set of intervened prototypes whose intervention alone flips it
+    replacements: list[dict] = field(default_factory=list)  # re-routing: who took the suppressed slots, and effect
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -295,7 +298,10 @@ class Studio:
                                       do_sample=settings.do_sample, temperature=settings.temperature or 1.0,
                                       top_p=settings.top_p, seed=settings.seed):
             token = int(step.token_ids[0])
-            pids, acts = self.model.effective_activations(step.prototype_ids[0], step.activations[0], interventions)
+            if step.used_prototype_ids is None:
+                pids, acts = step.prototype_ids[0], step.activations[0]
+            else:
+                pids, acts = step.used_prototype_ids[0], step.used_activations[0]  # (k',) what the logits used
             keep = acts > 0
             pids, acts = pids[keep], acts[keep]
             order = acts.argsort(descending=True)
@@ -343,7 +349,7 @@ class Studio:
         top = [int(t) for t in logits.topk(min(n_alternatives, logits.shape[0])).indices]
         tokens = [chosen] + [t for t in top if t != chosen]
         tokens = sorted(tokens, key=lambda t: -float(logits[t]))
-        decs = self.model.decompose_output(out, 0, tokens, gen.interventions)
+        decs = self.model.decompose_output(out, 0, tokens)
         views = {d.token_id: self._decomposition(d) for d in decs}
         return TokenView(index=index, position=position, chosen=views[chosen],
                          alternatives=[views[t] for t in tokens], stream_logit=gen.steps[index].logit)
@@ -383,20 +389,24 @@ class Studio:
                               "the interventions did not change this token directly: without them the model would "
                               "write the same token here; it differs from the original because the text before "
                               "it differs", [], [])
-        ids, acts = plain.prototype_ids[0, 0], plain.activations[0, 0]  # (k,)
-        new_ids, new_acts = self.model.effective_activations(ids, acts, intervened.interventions)  # (k',)
-        old_acts = torch.zeros_like(new_acts)
-        old_acts[: ids.shape[0]] = acts
+        ids, acts = plain.prototype_ids[0, 0], plain.activations[0, 0]  # (k,) the model's own
+        used = self.model.head(z, intervened.interventions)
+        new_ids, new_acts = used.used_prototype_ids[0, 0], used.used_activations[0, 0]  # (k',) what it used
+        # Every prototype whose activation differs, own or re-routed: z' - z = sum_p (a'_p - a_p) p_p exactly, so
+        # these effects add up to the change of logit(new) - logit(ref).
+        change: dict[int, float] = {}
+        for pid, a in zip(ids.tolist(), acts.tolist()):
+            change[pid] = change.get(pid, 0.0) - a
+        for pid, a in zip(new_ids.tolist(), new_acts.tolist()):
+            change[pid] = change.get(pid, 0.0) + a
+        moved = torch.tensor([p for p, c in change.items() if c != 0], dtype=torch.long)
         rows = self.model.lm_head.weight[[new, reference]]  # (2, d)
-        signature = rows @ self.model.prototypes.weight[new_ids].T  # (2, k')
-        margin = (new_acts - old_acts) * (signature[0] - signature[1])  # (k',) effect on logit(new) - logit(ref)
-        effects: dict[int, float] = {}
-        for pid, m, changed in zip(new_ids.tolist(), margin.tolist(), (new_acts != old_acts).tolist()):
-            if changed:
-                effects[pid] = effects.get(pid, 0.0) + m
+        signature = rows @ self.model.prototypes.weight[moved].T  # (2, n)
+        effects = {p: change[p] * float(signature[0, n] - signature[1, n]) for n, p in enumerate(moved.tolist())}
+        _, replacing = changed_selection(ids, acts, new_ids, new_acts)
         ordered = sorted(effects, key=lambda p: -effects[p])
         flip_set: list[int] = []
-        for pid in ordered:
+        for pid in (p for p in ordered if p not in replacing):  # only what the user intervened on can be undone
             if effects[pid] <= 0:
                 break
             flip_set.append(pid)
@@ -417,11 +427,15 @@ class Studio:
         else:
             message = (f"without the interventions the model writes {ref_text!r} here; no subset of the "
                        "intervened prototypes flips the greedy choice on its own (the token was sampled)")
+        if replacing:
+            message += ("; the suppressed prototypes' slots were re-routed to "
+                        + ", ".join(f"#{p} {self.label(p)[0]!r}".replace(" ''", "") for p in replacing))
+        describe = lambda p: {"prototype_id": p, "label": self.label(p)[0], "category": self.label(p)[1],  # noqa: E731
+                              "effect": effects[p], "role": "replacement" if p in replacing else "intervened"}
         return WhyChanged(
             index=index, new_token=self.tokenizer.decode([new]), reference_token=ref_text, message=message,
-            effects=[{"prototype_id": p, "label": self.label(p)[0], "category": self.label(p)[1],
-                      "effect": effects[p]} for p in ordered],
-            flip_set=flip_set)
+            effects=[describe(p) for p in ordered], flip_set=flip_set,
+            replacements=[describe(p) | {"activation": float(new_acts[new_ids == p].sum())} for p in replacing])
 
     # -- the database -----------------------------------------------------------------------------------------
 
@@ -518,7 +532,8 @@ def restrict(interventions: Interventions, ids: set[int]) -> Interventions:
     return Interventions(suppress=frozenset(interventions.suppress & ids),
                          scale={p: f for p, f in interventions.scale.items() if p in ids},
                          inject={p: a for p, a in interventions.inject.items() if p in ids},
-                         controller=None if controller is None else controller.restricted(ids))
+                         controller=None if controller is None else controller.restricted(ids),
+                         suppress_mode=interventions.suppress_mode)
 
 
 def side_by_side(original: Generation, intervened: Generation) -> Diff:

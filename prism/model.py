@@ -9,9 +9,9 @@ model with forward, decompose, generate and checkpoint I/O. The math is PRISM.md
     l_t      = W z_t + b = (W r_t + b) + sum_{i in K_t} a_{t,i} (W p_i)
 
 so the logit of any token splits exactly into a residual slice and one slice per active prototype. An
-intervention changes the activations a (a fitted controller's reweighting, then suppress, scale, inject) and
-therefore z and the logits at that position only; the backbone's KV cache is untouched, which is why
-interventions work inside cached generation.
+intervention changes the selection and activations (a suppressed set re-routed or zeroed, a fitted controller's
+reweighting, scale, inject) and therefore z and the logits at that position only; the backbone's KV cache is
+untouched, which is why interventions work inside cached generation.
 
 Usage:
     from prism import PrismConfig, PrismForCausalLM, Interventions
@@ -75,23 +75,39 @@ class ActivationController(Protocol):
         ...
 
 
+SUPPRESS_MODES = ("zero", "reroute")
+
+
 @dataclass(frozen=True)
 class Interventions:
     """Changes to prototype activations for one call (PRISM.md section 3).
 
-    controller: a fitted ActivationController, applied first to the model's own activations.
-    suppress: prototype ids whose activation is set to 0 wherever they are active.
-    scale:    {prototype_id: factor >= 0} multiplies the activation wherever the prototype is active.
-    inject:   {prototype_id: activation >= 0} sets the activation at every position, active there or not.
-    A prototype may appear in only one of suppress/scale/inject; those act on the controller's output.
+    suppress: prototype ids switched off at every position, in one of two ways (suppress_mode):
+              "zero"    (the default) their activation is set to 0 where they are active: exactly their slices
+                        leave the logits, z' = z - sum_{i in S} a_i p_i, and nothing takes their place;
+              "reroute" they are masked out of the top-k selection: the position takes the top-k of the
+                        similarities outside the set, z' = r + sum_{j in K'} a_j p_j with r the position's own
+                        residual, so the nearest other prototypes explain it.
+    controller: a fitted ActivationController, applied to the selection (the model's own top-k; with "reroute"
+              the re-routed top-k, so it sees the replacements as ordinary active prototypes).
+    scale:    {prototype_id: factor >= 0} multiplies the activation wherever the prototype is in the selection
+              (with "reroute" a replacement can be scaled too).
+    inject:   {prototype_id: activation >= 0} sets the activation at every position, selected there or not.
+    Order: selection (re-routed or not), controller, suppress (zeroed; a no-op after re-routing unless the bank has
+    fewer than k prototypes outside the set), scale, inject. A prototype may appear in only one of
+    suppress/scale/inject.
     """
 
     suppress: frozenset[int] = field(default_factory=frozenset)
     scale: dict[int, float] = field(default_factory=dict)
     inject: dict[int, float] = field(default_factory=dict)
     controller: ActivationController | None = None
+    suppress_mode: str = "zero"
 
     def __post_init__(self) -> None:
+        if self.suppress_mode not in SUPPRESS_MODES:
+            raise ValueError(f"suppress_mode must be one of {', '.join(map(repr, SUPPRESS_MODES))} (remove the "
+                             f"slices, or re-route to the nearest other prototypes), got {self.suppress_mode!r}")
         if self.controller is not None and not isinstance(self.controller, ActivationController):
             raise TypeError(f"controller must be an ActivationController (n_prototypes, reweight, restricted), got "
                             f"{type(self.controller).__name__}")
@@ -111,6 +127,11 @@ class Interventions:
     @property
     def is_empty(self) -> bool:
         return not (self.suppress or self.scale or self.inject or self.controller is not None)
+
+    @property
+    def reroutes(self) -> bool:
+        """Whether this call changes the top-k selection itself (reroute mode with something suppressed)."""
+        return self.suppress_mode == "reroute" and bool(self.suppress)
 
     def prototype_ids(self) -> set[int]:
         """The prototypes named in suppress/scale/inject (a controller may move any active prototype)."""
@@ -166,6 +187,9 @@ class PrismOutput(ModelOutput):
 
     logits (B, T, V) are the intervened logits when interventions are given; prototype_ids/activations are the
     model's own top-k (before interventions) and residual is r = z - z_hat, which interventions do not change.
+    used_prototype_ids/used_activations (B, T, k') are what the logits actually use when interventions are given
+    (re-routed selection, controller, suppress, scale, then injected entries at k..): logits = W (r + sum_j
+    used_activations_j p_{used_prototype_ids_j}) + b. None without interventions (then they are the model's own).
     """
 
     loss: torch.Tensor | None = None
@@ -177,6 +201,8 @@ class PrismOutput(ModelOutput):
     z: torch.Tensor | None = None  # (B, T, d) final hidden state, the input of the LM head
     z_hat: torch.Tensor | None = None  # (B, T, d)
     sims: torch.Tensor | None = None  # (B, T, K), only with return_sims=True
+    used_prototype_ids: torch.Tensor | None = None  # (B, T, k') long, only with interventions
+    used_activations: torch.Tensor | None = None  # (B, T, k') >= 0, only with interventions
     cache: object | None = None
 
 
@@ -186,6 +212,9 @@ class Decomposition:
 
     prototype_ids/activations/contributions are the effective ones (after interventions), ordered by activation;
     a suppressed prototype does not appear, an injected one does. residual includes the LM head's bias.
+    removed_ids: the model's own active prototypes at this position that the interventions switched off;
+    rerouted_ids: the prototypes that entered the selection in their place (suppress_mode "reroute"; empty for
+    "zero", where nothing takes their place).
     """
 
     token_id: int
@@ -195,6 +224,8 @@ class Decomposition:
     prototype_ids: list[int]
     activations: list[float]
     contributions: list[float]
+    removed_ids: list[int] = field(default_factory=list)
+    rerouted_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -206,6 +237,8 @@ class GenerationStep:
     prototype_ids: torch.Tensor  # (B, k), the model's own top-k before interventions
     activations: torch.Tensor  # (B, k)
     logits: torch.Tensor  # (B, V), intervened logits the token was chosen from
+    used_prototype_ids: torch.Tensor | None = None  # (B, k'), what the logits used; None without interventions
+    used_activations: torch.Tensor | None = None  # (B, k')
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,17 +439,42 @@ class PrismForCausalLM(nn.Module):
         sims = self.prototypes.similarities(z)  # (B, T, K)
         ids, acts = self.prototypes.activate(sims, self.config.top_k)  # (B, T, k) each
         z_hat = self.prototypes.reconstruct(ids, acts)  # (B, T, d)
-        z_used = z if interventions is None or interventions.is_empty else z + self._delta(ids, acts, interventions)
-        logits = self.lm_head(z_used)  # (B, T, V)
-        return PrismOutput(logits=logits, prototype_ids=ids, activations=acts, residual=z - z_hat, z=z,
-                           z_hat=z_hat, sims=sims if return_sims else None)
+        out = PrismOutput(prototype_ids=ids, activations=acts, residual=z - z_hat, z=z, z_hat=z_hat,
+                          sims=sims if return_sims else None)
+        if interventions is None or interventions.is_empty:
+            out.logits = self.lm_head(z)  # (B, T, V)
+            return out
+        selected = self.select(sims, interventions) if interventions.reroutes else (ids, acts)
+        used_ids, used_acts = self.effective_activations(*selected, interventions)  # (B, T, k') each
+        if interventions.reroutes:  # a new selection: rebuild z' = r + sum_j a'_j p_j
+            z_used = out.residual + self.prototypes.reconstruct(used_ids, used_acts)
+        else:  # the same selection: add only what changed, z' = z + sum_j (a'_j - a_j) p_j
+            z_used = z + self._delta(ids, acts, used_ids, used_acts)
+        out.logits = self.lm_head(z_used)  # (B, T, V)
+        out.used_prototype_ids, out.used_activations = used_ids, used_acts
+        return out
+
+    def select(self, sims: torch.Tensor, interventions: Interventions | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k selection the logits start from. sims (..., K) -> ids, activations (..., k).
+
+        The model's own top-k; with suppress_mode "reroute" the top-k of the similarities with the suppressed
+        prototypes masked out, so the nearest prototypes outside the set take their slots."""
+        if interventions is None or not interventions.reroutes:
+            return self.prototypes.activate(sims, self.config.top_k)
+        interventions.check(self.config.n_prototypes)
+        masked = sims.clone()
+        masked[..., sorted(interventions.suppress)] = -math.inf
+        # With fewer than k prototypes outside the set, masked entries fill the rest at activation ReLU(-inf) = 0.
+        return self.prototypes.activate(masked, self.config.top_k)
 
     def effective_activations(
         self, ids: torch.Tensor, acts: torch.Tensor, interventions: Interventions | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activations the logits actually use: (..., k + n_inject) ids and activations, where the controller
-        (if any) has reweighted the model's own activations first, then suppressed entries are 0, scaled ones
-        multiplied, and injected prototypes set (their own top-k entry zeroed)."""
+        """The activations the logits actually use for a selection (ids, acts (..., k) from select(): the model's
+        own top-k, or the re-routed one): (..., k + n_inject) ids and activations, where the controller (if any)
+        has reweighted the selection first, then suppressed entries are 0, scaled ones multiplied, and injected
+        prototypes set (their own top-k entry zeroed)."""
         if interventions is None or interventions.is_empty:
             return ids, acts
         interventions.check(self.config.n_prototypes)
@@ -440,9 +498,9 @@ class PrismForCausalLM(nn.Module):
         return (torch.cat([ids, inject_ids.expand(*lead, -1)], dim=-1),
                 torch.cat([new, inject_acts.expand(*lead, -1)], dim=-1))
 
-    def _delta(self, ids: torch.Tensor, acts: torch.Tensor, interventions: Interventions) -> torch.Tensor:
-        """z' - z for the given interventions: sum_j (a'_j - a_j) p_j over old and injected entries. (..., d)"""
-        new_ids, new_acts = self.effective_activations(ids, acts, interventions)
+    def _delta(self, ids: torch.Tensor, acts: torch.Tensor, new_ids: torch.Tensor, new_acts: torch.Tensor,
+               ) -> torch.Tensor:
+        """z' - z when the selection is kept: sum_j (a'_j - a_j) p_j over old and injected entries. (..., d)"""
         k = ids.shape[-1]
         delta = self.prototypes.reconstruct(ids, new_acts[..., :k] - acts)
         if new_ids.shape[-1] > k:
@@ -507,17 +565,17 @@ class PrismForCausalLM(nn.Module):
         if not -length <= position < length:
             raise ValueError(f"position {position} is outside a sequence of {length} tokens")
         out = self(input_ids, interventions=interventions)
-        return self.decompose_output(out, position, token_id, interventions)[0]
+        return self.decompose_output(out, position, token_id)[0]
 
     def decompose_output(
         self,
         out: PrismOutput,
         position: int,
         token_ids: int | list[int] | None = None,
-        interventions: Interventions | None = None,
     ) -> list[Decomposition]:
         """Decompose several tokens' logits at one position of a forward output (batch row 0) without rerunning
-        the model; token_ids None means the argmax token."""
+        the model; token_ids None means the argmax token. The slices are those of the prototypes the logits used
+        (out.used_* when the forward had interventions), so they add up to out.logits in every mode."""
         length = out.logits.shape[1]
         position = position % length
         logits = out.logits[0, position]  # (V,)
@@ -528,8 +586,12 @@ class PrismForCausalLM(nn.Module):
         for t in token_ids:
             if not 0 <= int(t) < logits.shape[0]:
                 raise ValueError(f"token_id {t} is outside the vocabulary of {logits.shape[0]} tokens")
-        ids, acts = self.effective_activations(out.prototype_ids[0, position], out.activations[0, position],
-                                               interventions)  # (k',)
+        own_ids, own_acts = out.prototype_ids[0, position], out.activations[0, position]  # (k,)
+        if out.used_prototype_ids is None:
+            ids, acts = own_ids, own_acts
+        else:
+            ids, acts = out.used_prototype_ids[0, position], out.used_activations[0, position]  # (k',)
+        removed, rerouted = changed_selection(own_ids, own_acts, ids, acts)
         keep = acts > 0
         ids, acts = ids[keep], acts[keep]
         order = acts.argsort(descending=True)
@@ -545,7 +607,7 @@ class PrismForCausalLM(nn.Module):
             Decomposition(
                 token_id=int(t), position=position, logit=float(logits[int(t)]), residual=float(residual[n]),
                 prototype_ids=[int(i) for i in ids], activations=[float(a) for a in acts],
-                contributions=[float(c) for c in contributions[n]],
+                contributions=[float(c) for c in contributions[n]], removed_ids=removed, rerouted_ids=rerouted,
             )
             for n, t in enumerate(token_ids)
         ]
@@ -597,8 +659,11 @@ class PrismForCausalLM(nn.Module):
             if eos_token_id is not None:
                 next_ids = torch.where(finished, torch.full_like(next_ids, eos_token_id), next_ids)
                 finished |= next_ids == eos_token_id
+            used = (None, None) if out.used_prototype_ids is None else \
+                (out.used_prototype_ids[:, -1], out.used_activations[:, -1])
             yield GenerationStep(step=step, token_ids=next_ids, prototype_ids=out.prototype_ids[:, -1],
-                                 activations=out.activations[:, -1], logits=logits)
+                                 activations=out.activations[:, -1], logits=logits, used_prototype_ids=used[0],
+                                 used_activations=used[1])
             if eos_token_id is not None and bool(finished.all()):
                 return
             step_ids = next_ids[:, None]
@@ -699,6 +764,18 @@ class PrismForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}")
         model.load_state_dict(state, strict=False)
         return model
+
+
+def changed_selection(own_ids: torch.Tensor, own_acts: torch.Tensor, used_ids: torch.Tensor,
+                       used_acts: torch.Tensor) -> tuple[list[int], list[int]]:
+    """At one position: (the model's own active prototypes the logits no longer use, the prototypes that entered
+    the selection in their place). own (k,), used (k',): the first k used entries are the (re-routed) selection,
+    injected ones follow and are not counted as replacements."""
+    k = own_ids.shape[0]
+    own = {int(i) for i, a in zip(own_ids.tolist(), own_acts.tolist()) if a > 0}
+    used = {int(i) for i, a in zip(used_ids.tolist(), used_acts.tolist()) if a > 0}
+    selected = {int(i) for i, a in zip(used_ids[:k].tolist(), used_acts[:k].tolist()) if a > 0}
+    return sorted(own - used), sorted(selected - {int(i) for i in own_ids.tolist()})
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
