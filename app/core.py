@@ -29,8 +29,8 @@ import torch
 from precompute import query
 from precompute.query import UnknownPrototype
 from prism import Interventions, PrismForCausalLM
-from prism.model import changed_selection
 from prism.backbones import load_tokenizer
+from prism.model import changed_selection
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class Step:
     prototype_ids: list[int]  # ordered by activation, only those > 0
     activations: list[float]
     logit: float  # the logit of the token in the distribution it was chosen from
+    rerouted_ids: list[int] = field(default_factory=list)  # prototypes that re-routing brought in at this token
 
 
 @dataclass
@@ -114,6 +115,8 @@ class TokenDecomposition:
     logit: float  # the model's logit (the forward pass of the whole text)
     residual: float
     slices: list[Slice]
+    removed_ids: list[int] = field(default_factory=list)  # own active prototypes the interventions switched off
+    rerouted_ids: list[int] = field(default_factory=list)  # the prototypes re-routing brought in in their place
 
     @property
     def total(self) -> float:
@@ -121,7 +124,8 @@ class TokenDecomposition:
 
     def as_dict(self) -> dict:
         return {"token_id": self.token_id, "token": self.token, "logit": self.logit, "residual": self.residual,
-                "sum": self.total, "slices": [s.__dict__ for s in self.slices]}
+                "sum": self.total, "slices": [s.__dict__ for s in self.slices], "removed_ids": self.removed_ids,
+                "rerouted_ids": self.rerouted_ids}
 
 
 @dataclass
@@ -298,16 +302,18 @@ class Studio:
                                       do_sample=settings.do_sample, temperature=settings.temperature or 1.0,
                                       top_p=settings.top_p, seed=settings.seed):
             token = int(step.token_ids[0])
+            rerouted: list[int] = []
             if step.used_prototype_ids is None:
                 pids, acts = step.prototype_ids[0], step.activations[0]
             else:
                 pids, acts = step.used_prototype_ids[0], step.used_activations[0]  # (k',) what the logits used
+                _, rerouted = changed_selection(step.prototype_ids[0], step.activations[0], pids, acts)
             keep = acts > 0
             pids, acts = pids[keep], acts[keep]
             order = acts.argsort(descending=True)
             gen.steps.append(Step(token_id=token, text=self.tokenizer.decode([token]),
                                   prototype_ids=pids[order].tolist(), activations=acts[order].tolist(),
-                                  logit=float(step.logits[0, token])))
+                                  logit=float(step.logits[0, token]), rerouted_ids=rerouted))
             yield gen
 
     def generate(self, settings: GenerationSettings, interventions: Interventions | None = None) -> Generation:
@@ -360,7 +366,8 @@ class Studio:
             label, category = self.label(pid)
             slices.append(Slice(pid, label, category, act, contribution))
         return TokenDecomposition(token_id=d.token_id, token=self.tokenizer.decode([d.token_id]), logit=d.logit,
-                                  residual=d.residual, slices=slices)
+                                  residual=d.residual, slices=slices, removed_ids=d.removed_ids,
+                                  rerouted_ids=d.rerouted_ids)
 
     # -- what an intervention changed -------------------------------------------------------------------------
 
@@ -550,6 +557,15 @@ def side_by_side(original: Generation, intervened: Generation) -> Diff:
         else:
             status.append("changed" if i >= len(a) or a[i] != token else "after change")
     return Diff(status=status, first_change=first)
+
+
+def rerouted_summary(gen: Generation, top: int = 5) -> list[tuple[int, int]]:
+    """[(prototype_id, number of tokens)] of the prototypes re-routing brought in most often in a generation."""
+    counts: dict[int, int] = {}
+    for step in gen.steps:
+        for pid in step.rerouted_ids:
+            counts[pid] = counts.get(pid, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
 
 
 def same_settings(gen: Generation | None, settings: GenerationSettings) -> bool:

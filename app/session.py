@@ -7,6 +7,7 @@ other's interventions. Every change returns a new Session (dataclasses.replace),
     s.interventions()   # -> prism.Interventions(suppress={1, 3, 9, 12}, scale={7: 2.0})
     s = s.remove(0)
     s = replace(s, controller=loaded, controller_on=True)   # a fitted controller too (app/controllers.py)
+    s = s.with_suppress_mode("zero")   # suppressions remove the slices instead of re-routing (the app's default)
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from prism import ActivationController, Interventions
+from prism.model import SUPPRESS_MODES
 
 if TYPE_CHECKING:
     from app.core import Generation
 
 KINDS = ("suppress", "scale", "category", "search", "preset")
 MAX_SCALE = 10.0
+# How the app switches a prototype off (prism.Interventions.suppress_mode): re-routing keeps the text fluent where
+# removing the slices leaves a hole (docs/RESULTS.md), so it is the app's default; the library's stays "zero".
+DEFAULT_SUPPRESS_MODE = "reroute"
+SUPPRESS_MODE_NAMES = {"reroute": "re-route to the nearest prototypes", "zero": "remove the slice"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Session:
     selected: tuple[str, int] | None = None  # ("original" | "intervened", token index)
     controller: ActivationController | None = None  # a loaded prototype controller (app/controllers.py)
     controller_on: bool = False  # whether the intervened text uses it
+    suppress_mode: str = DEFAULT_SUPPRESS_MODE  # how every suppression of this session acts (SUPPRESS_MODE_NAMES)
 
     def add(self, item: InterventionItem) -> Session:
         return replace(self, items=(*self.items, item))
@@ -81,6 +88,16 @@ class Session:
 
     def clear(self) -> Session:
         return replace(self, items=())
+
+    def with_suppress_mode(self, mode: str) -> Session:
+        """The same session with its suppressions re-routed ("reroute") or removed ("zero"); a mode's display
+        name is accepted too."""
+        names = {v: k for k, v in SUPPRESS_MODE_NAMES.items()}
+        mode = names.get(str(mode), str(mode))
+        if mode not in SUPPRESS_MODES:
+            raise ValueError(f"suppress mode must be one of {', '.join(SUPPRESS_MODES)} "
+                             f"({'; '.join(f'{k}: {v}' for k, v in SUPPRESS_MODE_NAMES.items())}), got {mode!r}")
+        return replace(self, suppress_mode=mode)
 
     def interventions(self) -> Interventions:
         """The items as one prism.Interventions: a suppression wins over any scaling of the same prototype; of
@@ -95,7 +112,8 @@ class Session:
                     scale[pid] = item.factor
         scale = {p: f for p, f in scale.items() if p not in suppress and f != 1.0}
         controller = self.controller if self.controller_on else None
-        return Interventions(suppress=frozenset(suppress), scale=scale, controller=controller)
+        return Interventions(suppress=frozenset(suppress), scale=scale, controller=controller,
+                             suppress_mode=self.suppress_mode)
 
     def rows(self) -> list[list]:
         """The intervention list as table rows: index, what, prototype ids."""

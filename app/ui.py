@@ -5,7 +5,7 @@ gr.State value) where it needs one, and returns a new Session instead of changin
 has an api_name, so each UI action is also an HTTP endpoint `gradio_client` can call:
 
     generate, decompose, prototype, search, suppress, scale, suppress_category, suppress_search, preset,
-    remove_intervention, clear_interventions, interventions, map, attribute, controller
+    suppress_mode, remove_intervention, clear_interventions, interventions, map, attribute, controller
 
 Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
 the app keeps running.
@@ -31,9 +31,10 @@ from app.core import (
     GenerationSettings,
     Studio,
     TokenView,
+    rerouted_summary,
     side_by_side,
 )
-from app.session import Session, group_item, scale_item, suppress_item
+from app.session import SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,13 @@ def _generation_json(gen: Generation | None) -> dict | None:
         return None
     return {"prompt": gen.prompt_text, "text": gen.text, "notes": gen.notes,
             "interventions": {"suppress": sorted(gen.interventions.suppress),
+                              "suppress_mode": gen.interventions.suppress_mode,
                               "scale": {str(p): f for p, f in gen.interventions.scale.items()},
                               "controller": None if gen.interventions.controller is None else
                               app_controllers.name(gen.interventions.controller)},
             "tokens": [{"index": i, "token_id": s.token_id, "text": s.text, "logit": s.logit,
-                        "prototype_ids": s.prototype_ids, "activations": s.activations}
+                        "prototype_ids": s.prototype_ids, "activations": s.activations,
+                        "rerouted_ids": s.rerouted_ids}
                        for i, s in enumerate(gen.steps)]}
 
 
@@ -112,7 +115,7 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
                     active.remove((name, stream))
                     continue
                 current[name] = gen
-            status = _generation_status(current)
+            status = _generation_status(studio, current)
             yield (_highlights(studio, current["original"]), _highlights(studio, current["intervened"]), status,
                    session, None)
     except AppError as err:
@@ -126,10 +129,10 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     result = {"original": _generation_json(original), "intervened": _generation_json(intervened),
               "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
     yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-           _generation_status(current, diff), session, result)
+           _generation_status(studio, current, diff), session, result)
 
 
-def _generation_status(current: dict, diff=None) -> str:
+def _generation_status(studio: Studio, current: dict, diff=None) -> str:
     parts = []
     gen = current["original"] or current["intervened"]
     if gen is not None:
@@ -144,6 +147,11 @@ def _generation_status(current: dict, diff=None) -> str:
             n = sum(s in ("first change", "changed") for s in diff.status)
             parts.append(f"The interventions changed {n} token(s), first at token {diff.first_change}. Click a "
                          f"highlighted token on the right to see which prototypes changed it.")
+        brought_in = rerouted_summary(current["intervened"])
+        if brought_in:
+            parts.append("Re-routed: the suppressed prototypes' slots went to " + ", ".join(
+                f"#{pid} {html.escape(studio.label(pid)[0] or '(no label)')} ({n} token(s))"
+                for pid, n in brought_in) + ".")
     return "  \n".join(parts)
 
 
@@ -192,11 +200,18 @@ def _token_summary(view: TokenView, why) -> str:
     if len(view.alternatives) > 1:
         best_other = next(a for a in view.alternatives if a.token_id != d.token_id)
         lines.append(f"Runner-up {html.escape(repr(best_other.token))} at {best_other.logit:.4f}.")
+    if d.rerouted_ids:
+        lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
+                     f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")
+    elif d.removed_ids:
+        lines.append(f"Switched off here: {', '.join(f'#{p}' for p in d.removed_ids)} (their slices are removed).")
     if why is not None:
         lines.append(f"**Why it changed:** {html.escape(why.message)}.")
         if why.effects:
-            lines.append("Effect of each intervened prototype on logit(new) − logit(reference): " + ", ".join(
-                f"#{e['prototype_id']} {html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
+            lines.append("Effect of each prototype whose activation changed on logit(new) − logit(reference) "
+                         "(↪ = brought in by re-routing): " + ", ".join(
+                             f"{'↪' if e['role'] == 'replacement' else ''}#{e['prototype_id']} "
+                             f"{html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
     return "  \n".join(lines)
 
 
@@ -326,6 +341,17 @@ def apply_preset(studio: Studio, name: str, session: Session):
         return group_item("preset", title, ids)
 
     return _intervened(session, make)
+
+
+def suppress_mode(mode: str, session: Session):
+    """How this session's suppressions act: 'reroute' (the nearest other prototypes take the slots) or 'zero'
+    (the slices are removed). Returns (session, the list, status)."""
+    try:
+        session = session.with_suppress_mode(mode)
+    except ValueError as err:
+        return session, _interventions_table(session), _problem(err)
+    return session, _interventions_table(session), _ok(
+        f"suppressions now {SUPPRESS_MODE_NAMES[session.suppress_mode]}. Generate again to compare.")
 
 
 def remove_intervention(index, session: Session):
@@ -486,6 +512,11 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 gr.Markdown("### Your interventions")
                 iv_status = gr.Markdown(elem_id="iv-status")
                 iv_table = gr.Dataframe(headers=INTERVENTION_HEADERS, interactive=False, elem_id="interventions")
+                iv_suppress_mode = gr.Radio(
+                    [(name, mode) for mode, name in SUPPRESS_MODE_NAMES.items()], value=Session().suppress_mode,
+                    label="A suppressed prototype is switched off by", elem_id="suppress-mode",
+                    info="re-route: the nearest other prototypes take its slot and the text stays fluent; remove "
+                         "the slice: its share of the state is simply missing (exact subtraction)")
                 with gr.Row():
                     remove_index = gr.Number(value=0, precision=0, label="#", scale=1)
                     remove_btn = gr.Button("Remove", scale=1)
@@ -551,6 +582,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         iv_search_btn.click(partial(suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
                             api_name="suppress_search")
         preset_btn.click(partial(apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
+        iv_suppress_mode.input(suppress_mode, [iv_suppress_mode, session], iv_outputs, api_name="suppress_mode")
         remove_btn.click(remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
         clear_btn.click(clear_interventions, [session], iv_outputs, api_name="clear_interventions")
         iv_refresh = gr.Button(visible=False)

@@ -1,22 +1,27 @@
-"""Behaviour removal: switch a preset's prototypes off and measure the behaviour's rate and the cost elsewhere.
+"""Behaviour removal: switch a preset's prototypes off, by removing their slices and by re-routing, and measure the
+behaviour's rate, the continuations' fluency and the cost elsewhere, side by side on the same prompts and seeds.
 
     python -m bench.behaviour_removal --model assets/model --db assets/prism-default.duckdb --preset kjv-register
+    python -m bench.behaviour_removal --model assets/model --db assets/prism-default.duckdb --preset numbers
 
-For the King James register (precompute/presets.py): prompts are the first --prompt-words words of verses from the
-held-out King James chapters of the default corpus (documents the model never trained on); each prompt is continued
-with --max-new-tokens sampled tokens, once as the model is and once with the preset's prototypes suppressed, with
-the same seeds. The behaviour's rate is counted in the continuations only: marker words per 100 words, and the
-share of continuations with at least one marker. The cost is held-out perplexity on the other sources (Wikipedia
-and news documents of the validation split), with and without the suppression; perplexity on held-out King James
-text is reported too (it is expected to rise: that register is what is removed).
+Prompts come from held-out documents of the default corpus (documents the model never trained on), a seeded choice
+of lines: for the King James register the first --prompt-words words of verses; for numbers the words of a
+Wikipedia or news line just before a number (at least 4, at most 2 x --prompt-words of them), so the model is asked
+for a number next. Each prompt is continued with --max-new-tokens sampled tokens as the model is ("before") and with the
+preset suppressed in each --modes ("zero": the slices removed; "reroute": the prototypes masked out of the top-k
+so the nearest others take their slots), with the same seeds. The behaviour's rate is counted in the continuations
+only: markers per 100 words, and the share of continuations with at least one.
 
-The continuations' fluency is scored too: their perplexity given the prompt under the untouched backbone (a judge
-neither condition changes), so that a preset which removes the markers by breaking the text shows it.
+Fluency: the continuations' perplexity given the prompt under the untouched backbone (a judge no condition
+changes), so a suppression that removes the markers by breaking the text shows it. Cost: perplexity on held-out
+Wikipedia and news text, scored on the tokens that are not the preset's markers ("other"; for numbers the digits
+and number words themselves are what is removed, so they are scored apart as "markers"); for the register also on
+held-out King James text (expected to rise).
 
-Prints one JSON line (also written to --out): prompts, rates before/after and their relative drop, the judge's
-perplexity of the continuations before/after, held-out perplexities before/after and the relative change, how
-much of the model's own prototype activity on each held-out source the preset covers (active_share_*), the
-preset's size, and a few example continuation pairs.
+Prints one JSON line (also written to --out): per condition the rate, the judge's perplexity and the held-out
+perplexities; per mode their change against "before" and whether the goals are met (rate -70% or more, judge
+perplexity at most x1.5, other-text perplexity within 2%); how much of the model's own prototype activity on each
+held-out source the preset covers (active_share_*); the preset's size; and example continuations.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import logging
 import math
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -39,11 +45,14 @@ from precompute.runs import connect
 from prism import Interventions, PrismForCausalLM
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import is_validation, pack
-from prism.eval import evaluate_lm
+from prism.model import SUPPRESS_MODES
 
 logger = logging.getLogger("bench.behaviour_removal")
 
-SOURCES = {"kjv-register": "kjv"}  # preset -> the corpus source whose held-out documents give the prompts
+# preset -> (the corpus sources whose held-out documents give the prompts, how a line becomes a prompt)
+PROMPTS = {"kjv-register": (("kjv",), "line-start"), "numbers": (("wiki", "news"), "before-marker")}
+OTHER_SOURCES = ("wiki", "news")  # the cost is measured on held-out text of these
+GOALS = {"rate_drop": 0.70, "judge_ratio": 1.5, "ppl_other_change": 0.02}
 
 
 def held_out(corpus: str, val_fraction: float, split: str = "val") -> dict[str, list]:
@@ -56,14 +65,26 @@ def held_out(corpus: str, val_fraction: float, split: str = "val") -> dict[str, 
     return by_source
 
 
-def make_prompts(docs: list, n: int, words: int, seed: int) -> list[str]:
-    """n prompts: the first `words` words of lines (verses) with at least 2 * words words, a seeded choice."""
+def make_prompts(docs: list, n: int, words: int, seed: int, style: str = "line-start",
+                 pattern: re.Pattern | None = None) -> list[str]:
+    """n prompts from the documents' lines, a seeded choice. "line-start": the first `words` words of lines with at
+    least 2 * words words. "before-marker": the words of a line before a word that starts with a marker (pattern),
+    when there are at least 4 of them (the last 2 * words kept), so the continuation is where the text had one."""
     lines = [line.split() for doc in docs for line in doc.text.splitlines()]
-    lines = [line for line in lines if len(line) >= 2 * words]
-    if len(lines) < n:
-        raise ValueError(f"only {len(lines)} held-out lines of >= {2 * words} words for {n} prompts")
-    chosen = random.Random(seed).sample(range(len(lines)), n)
-    return [" ".join(lines[i][:words]) for i in sorted(chosen)]
+    if style == "line-start":
+        candidates = [" ".join(line[:words]) for line in lines if len(line) >= 2 * words]
+    elif style == "before-marker":
+        candidates = []
+        for line in lines:
+            for i, word in enumerate(line):
+                if i >= 4 and pattern.match(word) and not line[i - 1].endswith((".", "=")):
+                    candidates.append(" ".join(line[max(0, i - 2 * words): i]))
+    else:
+        raise ValueError(f"unknown prompt style {style!r}")
+    if len(candidates) < n:
+        raise ValueError(f"only {len(candidates)} held-out lines give a {style} prompt, {n} asked for")
+    chosen = random.Random(seed).sample(range(len(candidates)), n)
+    return [candidates[i] for i in sorted(chosen)]
 
 
 @torch.no_grad()
@@ -120,11 +141,36 @@ def _blocks(tokenizer, docs: list, max_tokens: int, seq_len: int) -> np.ndarray:
     return pack(stream, seq_len)[: max(1, max_tokens // seq_len)]
 
 
+def marker_token_ids(tokenizer, spec) -> torch.Tensor:
+    """Ids of the vocabulary tokens that are markers of the preset (stripped, lower-cased text is a marker word or
+    fully matches its token pattern), as the presets job decides it in SQL."""
+    words = set(spec.markers)
+    token_re = re.compile(spec.token_pattern) if spec.token_pattern else None
+    ids = [i for i in range(len(tokenizer))
+           if (t := tokenizer.decode([i]).strip().lower()) in words or (token_re and token_re.fullmatch(t))]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
 def perplexity(model: PrismForCausalLM, tokenizer, docs: list, interventions: Interventions | None,
-               max_tokens: int, seq_len: int, batch_size: int) -> dict[str, float]:
+               max_tokens: int, seq_len: int, batch_size: int, markers: torch.Tensor | None = None,
+               ) -> dict[str, dict[str, float]]:
+    """Next-token perplexity over packed blocks of the documents: "all" targets, and with markers given, split into
+    "other" (targets that are not markers) and "markers" (targets that are)."""
     blocks = _blocks(tokenizer, docs, max_tokens, seq_len)
-    return evaluate_lm(lambda ids: model(ids, interventions=interventions).logits, blocks, batch_size,
-                       "perplexity")
+    sums = {"all": [0.0, 0], "other": [0.0, 0], "markers": [0.0, 0]}
+    for lo in tqdm(range(0, len(blocks), batch_size), desc="perplexity", unit="batch", leave=False):
+        ids = torch.from_numpy(blocks[lo: lo + batch_size].astype(np.int64))  # (B, T)
+        logits = model(ids, interventions=interventions).logits[:, :-1].float()  # (B, T-1, V)
+        target = ids[:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                reduction="none")  # (B*(T-1),)
+        is_marker = torch.isin(target.reshape(-1), markers) if markers is not None else torch.zeros_like(nll).bool()
+        for name, keep in (("all", torch.ones_like(is_marker)), ("other", ~is_marker), ("markers", is_marker)):
+            sums[name][0] += float(nll[keep].sum())
+            sums[name][1] += int(keep.sum())
+    return {name: {"perplexity": math.exp(total / n) if n else float("nan"), "tokens": n}
+            for name, (total, n) in sums.items()}
 
 
 @torch.no_grad()
@@ -151,14 +197,14 @@ def active_share(model: PrismForCausalLM, tokenizer, docs: list, ids: list[int],
 
 def run(args: argparse.Namespace) -> dict:
     spec = PRESETS[args.preset]
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or set(modes) - set(SUPPRESS_MODES):
+        raise ValueError(f"--modes must be a non-empty subset of {', '.join(SUPPRESS_MODES)}, got {args.modes!r}")
     rule = None  # checked before anything heavy is loaded
     if (args.rules, args.signature_top, args.min_share) != (None, None, None):  # any rule option: a variant
-        defaults = PresetArgs()
-        rule = PresetArgs(
-            min_share=defaults.min_share if args.min_share is None else args.min_share,
-            signature_top=defaults.signature_top if args.signature_top is None else args.signature_top,
-            rules=defaults.rules if args.rules is None else
-            tuple(r.strip() for r in args.rules.split(",") if r.strip()))
+        rule = PresetArgs(min_share=args.min_share, signature_top=args.signature_top,
+                          rules=REASONS if args.rules is None else
+                          tuple(r.strip() for r in args.rules.split(",") if r.strip()))
     con = connect(args.db, read_only=True)
     try:
         if rule is None:  # the stored preset, exactly what the app's button applies
@@ -174,70 +220,77 @@ def run(args: argparse.Namespace) -> dict:
     model = PrismForCausalLM.from_pretrained(args.model).eval()
     tokenizer = load_tokenizer(str(args.model))
     ids = [r["prototype_id"] for r in found]
-    suppress = Interventions(suppress=frozenset(ids))
+    conditions = {"before": None, **{m: Interventions(suppress=frozenset(ids), suppress_mode=m) for m in modes}}
     docs = held_out(args.corpus, args.val_fraction, args.prompt_split)
-    source = SOURCES[args.preset]
-    prompts = make_prompts(docs.get(source, []), args.prompts, args.prompt_words, args.seed)
+    sources, style = PROMPTS[args.preset]
     pattern = spec.marker_pattern()
+    prompts = make_prompts([d for s in sources for d in docs.get(s, [])], args.prompts, args.prompt_words,
+                           args.seed, style, pattern)
     gen, gen_ids = {}, {}
-    for name, iv in (("before", None), ("after", suppress)):
+    for name, iv in conditions.items():
         gen_ids[name] = []
         gen[name] = continuations(model, tokenizer, prompts, iv, args.max_new_tokens, args.batch_size, args.seed,
                                   args.temperature, args.top_p, token_ids=gen_ids[name])
-    rates = {name: rate(texts, pattern) for name, texts in gen.items()}
-    fluency = {}
+    per = {name: {"rate": rate(texts, pattern)} for name, texts in gen.items()}
+    judge_spec = None
     if not args.no_judge:
         judge_spec = args.judge or model.config.backbone
         if not judge_spec:
             raise ValueError("the model names no backbone to judge fluency with: give --judge or --no-judge")
         judge = load_backbone(judge_spec)
-        judged = {name: judge_perplexity(judge, tokenizer, prompts, ids) for name, ids in gen_ids.items()}
+        for name, token_ids in gen_ids.items():
+            per[name]["judge_ppl"] = judge_perplexity(judge, tokenizer, prompts, token_ids)["perplexity"]
         del judge
-        fluency = {"judge": judge_spec, "judge_ppl_before": judged["before"]["perplexity"],
-                   "judge_ppl_after": judged["after"]["perplexity"],
-                   "judge_ppl_change": judged["after"]["perplexity"] / judged["before"]["perplexity"] - 1}
-    before, after = rates["before"], rates["after"]
-    drop = 1 - after["markers_per_100_words"] / before["markers_per_100_words"] \
-        if before["markers_per_100_words"] else float("nan")
-    result = {}
+    shares, other_tokens = {}, None
     if not args.skip_perplexity:  # always on held-out text, whatever split the prompts came from
         val = docs if args.prompt_split == "val" else held_out(args.corpus, args.val_fraction, "val")
-        other = [d for s, ds in sorted(val.items()) if s != source for d in ds]
-        ppl = {}
-        for name, iv in (("before", None), ("after", suppress)):
-            ppl[name] = {"other": perplexity(model, tokenizer, other, iv, args.max_eval_tokens, args.seq_len,
-                                             args.batch_size),
-                         source: perplexity(model, tokenizer, val[source], iv, args.max_eval_tokens, args.seq_len,
-                                            args.batch_size)}
-        other_change = ppl["after"]["other"]["perplexity"] / ppl["before"]["other"]["perplexity"] - 1
-        share = {name: active_share(model, tokenizer, ds, ids, args.max_eval_tokens, args.seq_len, args.batch_size)
-                 for name, ds in (("other", other), (source, val[source]))}
-        result = {
-            "active_share_other": share["other"], f"active_share_{source}": share[source],
-            "ppl_other_before": ppl["before"]["other"]["perplexity"],
-            "ppl_other_after": ppl["after"]["other"]["perplexity"],
-            "ppl_other_change": other_change, "other_tokens": ppl["before"]["other"]["tokens"],
-            f"ppl_{source}_before": ppl["before"][source]["perplexity"],
-            f"ppl_{source}_after": ppl["after"][source]["perplexity"],
-        }
+        other = [d for s in OTHER_SOURCES for d in val.get(s, [])]
+        markers = marker_token_ids(tokenizer, spec)
+        extra = [s for s in sources if s not in OTHER_SOURCES]  # the register's own source (expected to rise)
+        for name, iv in conditions.items():
+            ppl = perplexity(model, tokenizer, other, iv, args.max_eval_tokens, args.seq_len, args.batch_size,
+                             markers)
+            per[name]["ppl_other"] = ppl["other"]["perplexity"]
+            per[name]["ppl_markers"] = ppl["markers"]["perplexity"]
+            other_tokens = {"other": ppl["other"]["tokens"], "markers": ppl["markers"]["tokens"]}
+            for source in extra:
+                per[name][f"ppl_{source}"] = perplexity(model, tokenizer, val[source], iv, args.max_eval_tokens,
+                                                        args.seq_len, args.batch_size)["all"]["perplexity"]
+        shares = {f"active_share_{name}": active_share(model, tokenizer, ds, ids, args.max_eval_tokens,
+                                                        args.seq_len, args.batch_size)
+                  for name, ds in (("other", other), *((s, val[s]) for s in extra))}
+    before = per["before"]
+    for mode in modes:
+        after = per[mode]
+        b, a = before["rate"], after["rate"]
+        after["rate_drop"] = 1 - a["markers_per_100_words"] / b["markers_per_100_words"] \
+            if b["markers_per_100_words"] else float("nan")
+        after["share_drop"] = 1 - a["share_with_marker"] / b["share_with_marker"] \
+            if b["share_with_marker"] else float("nan")
+        goals = {"rate_drop_at_least_0.70": bool(after["rate_drop"] >= GOALS["rate_drop"])}
+        if "judge_ppl" in after:
+            after["judge_ratio"] = after["judge_ppl"] / before["judge_ppl"]
+            goals["judge_ratio_at_most_1.5"] = bool(after["judge_ratio"] <= GOALS["judge_ratio"])
+        if "ppl_other" in after:
+            after["ppl_other_change"] = after["ppl_other"] / before["ppl_other"] - 1
+            goals["ppl_other_within_0.02"] = bool(abs(after["ppl_other_change"]) <= GOALS["ppl_other_change"])
+        after["goals"] = goals
+        after["all_goals_met"] = all(goals.values())
     reasons: dict[str, int] = {}
     for r in found:
         for reason in r["reasons"]:
             reasons[reason] = reasons.get(reason, 0) + 1
-    examples = [{"prompt": p, "before": b, "after": a}
-                for p, b, a in list(zip(prompts, gen["before"], gen["after"], strict=True))[: args.examples]]
-    goals = {"rate_drop_at_least_0.70": bool(drop >= 0.70)}
-    if result:
-        goals["ppl_change_within_0.02"] = abs(result["ppl_other_change"]) <= 0.02
+    examples = [{"prompt": p, **{name: gen[name][n] for name in conditions}}
+                for n, p in enumerate(prompts[: args.examples])]
     return {
         "preset": args.preset, "rule": "stored" if rule is None else
-        {"rules": ",".join(rule.rules), "signature_top": rule.signature_top, "min_share": rule.min_share},
-        "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes,
-        "reasons": reasons, "prompt_split": args.prompt_split, "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "rate_before": before, "rate_after": after, "rate_drop": drop,
-        "share_drop": 1 - after["share_with_marker"] / before["share_with_marker"]
-        if before["share_with_marker"] else float("nan"),
-        **fluency, **result, "goals": goals, "examples": examples,
+        {"rules": ",".join(rule.rules), "signature_top": rule.for_preset(spec)[1],
+         "min_share": rule.for_preset(spec)[0]},
+        "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes, "reasons": reasons,
+        "prompt_split": args.prompt_split, "prompt_sources": list(sources), "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "seed": args.seed, "judge": judge_spec, "other_tokens": other_tokens, "modes": list(modes),
+        **per, **shares, "examples": examples,
     }
 
 
@@ -246,7 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="PRISM checkpoint folder with its tokenizer")
     parser.add_argument("--db", required=True, help="precompute database with the presets job done")
-    parser.add_argument("--preset", default="kjv-register", choices=sorted(SOURCES))
+    parser.add_argument("--preset", default="kjv-register", choices=sorted(PROMPTS))
+    parser.add_argument("--modes", default=",".join(SUPPRESS_MODES),
+                        help="suppression modes measured side by side: comma-separated subset of "
+                             + ", ".join(SUPPRESS_MODES))
     parser.add_argument("--corpus", default="default", help="the corpus the model was trained on")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="the training run's held-out fraction")
     parser.add_argument("--prompt-split", choices=("val", "train"), default="val",
@@ -258,9 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune = parser.add_argument_group("rule variant (tuning): find the prototypes afresh instead of the stored preset")
     tune.add_argument("--rules", help="comma-separated subset of " + ", ".join(REASONS))
     tune.add_argument("--signature-top", type=int, default=None,
-                      help=f"signature rule's top tokens (stored preset's rule: {PresetArgs.signature_top})")
+                      help="signature rule's top tokens (default: the preset's own, precompute/presets.py)")
     tune.add_argument("--min-share", type=float, default=None,
-                      help=f"next_token rule's share (stored preset's rule: {PresetArgs.min_share})")
+                      help="next_token rule's share (default: the preset's own)")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--prompt-words", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -290,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         Path(args.out).write_text(line + "\n")
     sys.stdout.write(line + "\n")
-    if not math.isfinite(result["rate_drop"]):
+    if not math.isfinite(result[result["modes"][0]]["rate_drop"]):
         logger.warning("the prompts produced no marker word before suppression: the rate drop is undefined")
     return result
 

@@ -4,13 +4,16 @@ off in one click. The app offers them as buttons; bench/behaviour_removal.py mea
     python -m precompute.presets --db out.duckdb                      # the job: find and store every preset
     python -m precompute.presets --db out.duckdb --show kjv-register  # list a stored preset's prototypes
 
-A preset names a behaviour by its marker words (the King James register: thee, thou, hath, unto, saith, ...).
-Its prototypes are those the database ties to the markers in any of three ways; each prototype keeps its reasons:
+A preset names a behaviour by its markers: words (the King James register: thee, thou, hath, unto, saith, ...) and,
+optionally, a token pattern (numbers: any run of digits; SmolLM2 writes a number digit by digit). Its prototypes
+are those the database ties to the markers in any of three ways; each prototype keeps its reasons:
 - label:      its label (labels job) contains a marker word;
 - next_token: at least --min-share of the tokens that follow its evidence (next_tokens) are marker words, so the
               prototype is active where the corpus writes them next;
-- signature:  a marker word is among the top --signature-top tokens of its logit signature W p_i, so its slice
+- signature:  a marker is among the top --signature-top tokens of its logit signature W p_i, so its slice
               pushes the markers up wherever it is active.
+Each preset has its own min_share and signature_top (chosen on training-split prompts with bench/behaviour_removal.py,
+stated below); --min-share / --signature-top override them for every preset.
 Needs the evidence job (next_tokens, logit_signatures) and, for the label rule, the labels job. The job is cheap
 (a few SQL queries) and idempotent like every job: its arguments are stored, other arguments need --overwrite.
 """
@@ -39,37 +42,66 @@ class PresetSpec:
     title: str  # what the app's button says
     description: str
     markers: tuple[str, ...]  # lower-case marker words of the behaviour
+    token_pattern: str | None = None  # a token whose stripped text fully matches this regex is a marker too
+    min_share: float = 0.3  # next_token rule: share of markers among the tokens after the evidence
+    signature_top: int = 20  # signature rule: how many of W p_i's top tokens are looked at (the evidence job keeps 20)
 
     def marker_pattern(self) -> re.Pattern:
-        """Whole-word, case-insensitive match of any marker (for counting them in text)."""
-        return re.compile(r"\b(" + "|".join(re.escape(m) for m in self.markers) + r")\b", re.IGNORECASE)
+        """Whole-word, case-insensitive match of any marker (for counting them in text); a run of tokens matching
+        token_pattern (e.g. the digits of one number) counts once."""
+        words = [re.escape(m) for m in self.markers]
+        if self.token_pattern:
+            words.append(f"(?:{self.token_pattern})")
+        return re.compile(r"\b(" + "|".join(words) + r")\b", re.IGNORECASE)
 
+    def is_marker_sql(self, column: str) -> tuple[str, list]:
+        """A SQL condition on a token column, with its parameters: the stripped, lower-cased token is a marker."""
+        sql, params = f"list_contains(?, lower(trim({column})))", [list(self.markers)]
+        if self.token_pattern:
+            sql, params = f"({sql} OR regexp_full_match(trim({column}), ?))", [*params, self.token_pattern]
+        return sql, params
+
+
+NUMBER_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+                "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty",
+                "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety", "hundred", "thousand",
+                "million", "billion")
 
 PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
     PresetSpec(
         name="kjv-register",
         title="Remove the King James register",
         description="Suppress the prototypes behind the archaic pronouns and verb forms the King James Bible "
-                    "teaches (thee, thou, thy, hath, unto, saith, ...). On held-out verse prompts it removes about "
-                    "9 in 10 marker words and leaves other text's perplexity within 1%, but continuations of "
-                    "biblical prompts lose much of their fluency (bench/behaviour_removal.py, docs/RESULTS.md).",
+                    "teaches (thee, thou, thy, hath, unto, saith, ...). Measured on held-out verse prompts by "
+                    "bench/behaviour_removal.py (docs/RESULTS.md): re-routed, the model writes far fewer of them "
+                    "and stays fluent; with the slices only removed, biblical continuations break.",
         markers=("thee", "thou", "thy", "thine", "ye", "hath", "hast", "doth", "dost", "saith", "shalt", "wilt",
                  "unto", "spake", "begat"),
+    ),
+    PresetSpec(
+        name="numbers",
+        title="Remove numbers and dates",
+        description="Suppress the prototypes behind numbers: digits, years and number words. Measured on held-out "
+                    "Wikipedia and news prompts that stop just before a number, by bench/behaviour_removal.py "
+                    "(docs/RESULTS.md).",
+        markers=NUMBER_WORDS,
+        token_pattern="[0-9]+",
+        signature_top=5,
     ),
 )}
 
 
 @dataclass
 class PresetArgs:
-    min_share: float = 0.3  # next_token rule: share of marker words among the tokens after the evidence
-    signature_top: int = 20  # signature rule: how many of W p_i's top tokens are looked at (the evidence job stores 20)
+    min_share: float | None = None  # override every preset's next_token share (None: each preset's own)
+    signature_top: int | None = None  # override every preset's signature depth (None: each preset's own)
     rules: tuple[str, ...] = REASONS
     presets: tuple[str, ...] = field(default_factory=lambda: tuple(PRESETS))
 
     def __post_init__(self) -> None:
-        if not 0 < self.min_share <= 1:
+        if self.min_share is not None and not 0 < self.min_share <= 1:
             raise ValueError(f"--min-share must be in (0, 1], got {self.min_share}")
-        if self.signature_top < 1:
+        if self.signature_top is not None and self.signature_top < 1:
             raise ValueError(f"--signature-top must be >= 1, got {self.signature_top}")
         unknown = sorted(set(self.rules) - set(REASONS))
         if unknown or not self.rules:
@@ -78,11 +110,17 @@ class PresetArgs:
         if unknown:
             raise ValueError(f"unknown presets {unknown}; known: {', '.join(PRESETS)}")
 
+    def for_preset(self, spec: PresetSpec) -> tuple[float, int]:
+        """(min_share, signature_top) for one preset: the override, else the preset's own."""
+        return (spec.min_share if self.min_share is None else self.min_share,
+                spec.signature_top if self.signature_top is None else self.signature_top)
+
 
 def find_prototypes(con: duckdb.DuckDBPyConnection, spec: PresetSpec, args: PresetArgs) -> dict[int, list[str]]:
     """{prototype_id: [reasons]} for one preset (module docstring). Token texts are compared stripped and
     lower-cased, so ' Thee' and 'thee' both count."""
-    markers = [m.lower() for m in spec.markers]
+    min_share, signature_top = args.for_preset(spec)
+    is_marker, params = spec.is_marker_sql("token")
     found: dict[int, list[str]] = {}
 
     def add(rows, reason):
@@ -91,20 +129,19 @@ def find_prototypes(con: duckdb.DuckDBPyConnection, spec: PresetSpec, args: Pres
 
     if "label" in args.rules:
         # A marker as a word of the label: labels are short phrases such as "thee after verbs".
-        pattern = r"\b(" + "|".join(re.escape(m) for m in markers) + r")\b"
         add(con.execute("SELECT prototype_id FROM labels WHERE regexp_matches(lower(label), ?) ORDER BY 1",
-                        [pattern]).fetchall(), "label")
+                        [spec.marker_pattern().pattern]).fetchall(), "label")
     if "next_token" in args.rules:
-        add(con.execute("""
+        add(con.execute(f"""
             SELECT prototype_id FROM next_tokens
             GROUP BY prototype_id
-            HAVING sum(count) FILTER (WHERE list_contains(?, lower(trim(token)))) >= ? * sum(count)
-            ORDER BY 1""", [markers, args.min_share]).fetchall(), "next_token")
+            HAVING sum(count) FILTER (WHERE {is_marker}) >= ? * sum(count)
+            ORDER BY 1""", [*params, min_share]).fetchall(), "next_token")
     if "signature" in args.rules:
-        add(con.execute("""
+        add(con.execute(f"""
             SELECT DISTINCT prototype_id FROM logit_signatures
-            WHERE rank < ? AND list_contains(?, lower(trim(token)))
-            ORDER BY 1""", [args.signature_top, markers]).fetchall(), "signature")
+            WHERE rank < ? AND {is_marker}
+            ORDER BY 1""", [signature_top, *params]).fetchall(), "signature")
     return dict(sorted(found.items()))
 
 
@@ -147,12 +184,14 @@ def preset_prototypes(con: duckdb.DuckDBPyConnection, name: str) -> list[dict]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m precompute.presets", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    defaults = PresetArgs()
+    own = "; ".join(f"{p.name}: {p.min_share:g}, {p.signature_top}" for p in PRESETS.values())
     parser.add_argument("--db", required=True, help="the precompute DuckDB file (evidence and labels jobs done)")
-    parser.add_argument("--min-share", type=float, default=defaults.min_share,
-                        help="next_token rule: share of marker words among the tokens that follow the evidence")
-    parser.add_argument("--signature-top", type=int, default=defaults.signature_top,
-                        help="signature rule: top tokens of W p_i looked at")
+    parser.add_argument("--min-share", type=float, default=None,
+                        help="next_token rule: share of markers among the tokens that follow the evidence, for every "
+                             f"preset (default: each preset's own; min_share, signature_top = {own})")
+    parser.add_argument("--signature-top", type=int, default=None,
+                        help="signature rule: top tokens of W p_i looked at, for every preset (default: each "
+                             "preset's own)")
     parser.add_argument("--rules", default=",".join(REASONS), help="comma-separated subset of " + ", ".join(REASONS))
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated subset of " + ", ".join(PRESETS))
     parser.add_argument("--overwrite", action="store_true", help="replace presets found with other arguments")

@@ -28,11 +28,11 @@ def bare(tmp_path_factory):
     return Studio.load(model)
 
 
-def _changing_prototype(studio, settings):
+def _changing_prototype(studio, settings, mode="zero"):
     """A prototype whose suppression changes the greedy continuation (the tiny model has several)."""
     original = studio.generate(settings)
     for pid in range(studio.n_prototypes):
-        gen = studio.generate(settings, Interventions(suppress={pid}))
+        gen = studio.generate(settings, Interventions(suppress={pid}, suppress_mode=mode))
         if side_by_side(original, gen).first_change is not None:
             return pid
     pytest.fail("no single prototype changes the tiny model's text")
@@ -42,12 +42,15 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(1.0, abs(b))
 
 
-@pytest.mark.parametrize("interventions", [None, "suppress", "scale"])
+@pytest.mark.parametrize("interventions", [None, "suppress", "reroute", "scale"])
 @torch.no_grad()
 def test_decomposition_sums_to_the_real_logit(studio, interventions):
     settings = GenerationSettings(PROMPT, max_new_tokens=6)
     if interventions == "suppress":
         interventions = Interventions(suppress={_changing_prototype(studio, settings)})
+    elif interventions == "reroute":
+        pid = _changing_prototype(studio, settings, "reroute")
+        interventions = Interventions(suppress={pid}, suppress_mode="reroute")
     elif interventions == "scale":
         interventions = Interventions(scale={0: 2.5, 5: 0.5})
     gen = studio.generate(settings, interventions)
@@ -65,6 +68,15 @@ def test_decomposition_sums_to_the_real_logit(studio, interventions):
             if interventions is not None:
                 assert not set(interventions.suppress) & {s.prototype_id for s in d.slices}
         assert close(view.chosen.logit, view.stream_logit)
+        # the token view and the streamed step name the same replacements (none unless re-routing)
+        assert view.chosen.rerouted_ids == gen.steps[index].rerouted_ids
+        if interventions is None or not interventions.reroutes:
+            assert view.chosen.rerouted_ids == []
+        else:
+            own = set(studio.model(ids[:, : position + 1]).prototype_ids[0, position].tolist())
+            assert set(view.chosen.removed_ids) == own & interventions.suppress
+            assert bool(view.chosen.rerouted_ids) == bool(view.chosen.removed_ids)
+            assert set(view.chosen.rerouted_ids) <= {s.prototype_id for s in view.chosen.slices} - own
         # the chart shows the same slices: its relative bars add up to its total bar and to the logit
         bars = plots.decomposition_figure(view.chosen).data[0].y
         assert close(sum(bars[:-1]), bars[-1]) and close(bars[-1], float(logits[position, view.chosen.token_id]))
@@ -122,6 +134,47 @@ def test_why_changed_names_prototypes_that_really_flip_the_token(studio):
     # tokens before the change are "the same"
     if first > 0:
         assert studio.why_changed(original, intervened, 0).reference_token is None
+
+
+@torch.no_grad()
+def test_why_changed_under_reroute_names_the_replacements(studio):
+    settings = GenerationSettings(PROMPT, max_new_tokens=8)
+    pid = _changing_prototype(studio, settings, "reroute")
+    interventions = Interventions(suppress={pid}, suppress_mode="reroute")
+    original = studio.generate(settings)
+    intervened = studio.generate(settings, interventions)
+    first = side_by_side(original, intervened).first_change
+    why = studio.why_changed(original, intervened, first)
+    prefix = intervened.input_ids(first)
+    position = prefix.shape[1] - 1
+    own = set(studio.model(prefix).prototype_ids[0, position].tolist())
+    used = studio.model(prefix, interventions=interventions)
+    used_ids = set(used.used_prototype_ids[0, position][used.used_activations[0, position] > 0].tolist())
+    assert why.replacements and {r["prototype_id"] for r in why.replacements} == used_ids - own
+    assert all(r["role"] == "replacement" and r["activation"] > 0 for r in why.replacements)
+    assert "re-routed to" in why.message and f"#{why.replacements[0]['prototype_id']}" in why.message
+    assert pid in {e["prototype_id"] for e in why.effects if e["role"] == "intervened"}
+    # the effects of the suppressed prototype and its replacements add up exactly to the margin's change
+    new, ref = intervened.steps[first].token_id, original.steps[first].token_id
+    plain, after = studio.model(prefix).logits[0, position], used.logits[0, position]
+    assert close(sum(e["effect"] for e in why.effects), float((after[new] - after[ref]) - (plain[new] - plain[ref])))
+    # the flip set holds only intervened prototypes, and re-routing it alone changes the token
+    assert why.flip_set == [pid]
+    assert int(studio.model.generate(prefix, 1, interventions=interventions)[0, -1]) != ref
+
+
+def test_session_suppress_mode_defaults_to_reroute_and_is_per_session():
+    s = Session().add(suppress_item(3)).add(scale_item(4, 2.0))
+    assert s.suppress_mode == "reroute" and s.interventions().suppress_mode == "reroute"
+    zero = s.with_suppress_mode("zero")
+    assert zero.interventions().suppress_mode == "zero" and s.interventions().suppress_mode == "reroute"
+    assert zero.with_suppress_mode("re-route to the nearest prototypes").suppress_mode == "reroute"
+    with pytest.raises(ValueError, match="suppress mode must be one of"):
+        s.with_suppress_mode("erase")
+    same, rows, status = ui.suppress_mode("erase", s)
+    assert same is s and status.startswith("⚠️") and len(rows) == 2
+    changed, _, status = ui.suppress_mode("zero", s)
+    assert changed.suppress_mode == "zero" and "remove the slice" in status and changed.items == s.items
 
 
 def test_session_builds_interventions():

@@ -45,6 +45,7 @@ def _fill(path, seed=0, n=40):
 
 def _expected(rows, args: presets.PresetArgs) -> dict[int, list[str]]:
     """The three rules written plainly in Python over the same rows."""
+    min_share, signature_top = args.for_preset(presets.PRESETS["kjv-register"])
     found: dict[int, list[str]] = {}
     for pid, _, label, *_ in rows["labels"]:
         if any(w in MARKERS for w in label.lower().replace(",", " ").split()):
@@ -54,11 +55,11 @@ def _expected(rows, args: presets.PresetArgs) -> dict[int, list[str]]:
         totals[pid] = totals.get(pid, 0) + count
         hits[pid] = hits.get(pid, 0) + (count if token.strip().lower() in MARKERS else 0)
     for pid in sorted(totals):
-        if hits[pid] >= args.min_share * totals[pid]:
+        if hits[pid] >= min_share * totals[pid]:
             found.setdefault(pid, []).append("next_token")
     for pid in sorted({r[0] for r in rows["sig"]}):
         if any(token.strip().lower() in MARKERS for p, rank, _, token, _ in rows["sig"]
-               if p == pid and rank < args.signature_top):
+               if p == pid and rank < signature_top):
             found.setdefault(pid, []).append("signature")
     return {pid: found[pid] for pid in sorted(found)}
 
@@ -72,7 +73,7 @@ def test_rules_match_an_independent_computation(tmp_path, min_share, signature_t
     stored = {r["prototype_id"]: r["reasons"] for r in presets.preset_prototypes(con, "kjv-register")}
     con.close()
     expected = _expected(rows, args)
-    assert stored == expected and counts == {"kjv-register": len(expected)}
+    assert stored == expected and counts == {"kjv-register": len(expected), "numbers": 0}
     assert {"label", "next_token", "signature"} <= {r for reasons in expected.values() for r in reasons}
     assert 0 < len(expected) < 40  # the rules select, they do not take everything
 
@@ -114,10 +115,32 @@ def test_bad_arguments_and_missing_jobs_get_clear_errors(tmp_path, capsys):
 def test_cli_runs_and_shows(tmp_path, capsys):
     rows = _fill(tmp_path / "db.duckdb")
     counts = presets.main(["--db", str(tmp_path / "db.duckdb")])
-    assert counts == {"kjv-register": len(_expected(rows, presets.PresetArgs()))}
+    assert counts["kjv-register"] == len(_expected(rows, presets.PresetArgs())) and set(counts) == set(presets.PRESETS)
     shown = presets.main(["--db", str(tmp_path / "db.duckdb"), "--show", "kjv-register"])
     out = capsys.readouterr().out
     assert len(shown) == counts["kjv-register"] and str(shown[0]["prototype_id"]) in out
+
+
+def test_numbers_preset_counts_digits_and_number_words(tmp_path):
+    spec = presets.PRESETS["numbers"]
+    assert spec.marker_pattern().findall("In 1987, two hundred and 34 people; someone won 3rd place") == \
+        ["1987", "two", "hundred", "34"]
+    con = connect(tmp_path / "db.duckdb")
+    start_job(con, "evidence", {"synthetic": True})
+    signature = {0: [" 1", " the", " and"], 1: [" the", " and", " Two"], 2: [" the", " of", " a"],
+                 3: ["3rd", " the", " of"], 4: [" the", " and", " of", " a", " in", " 19"]}
+    con.executemany("INSERT INTO logit_signatures VALUES (?, ?, ?, ?, ?)",
+                    [(pid, rank, rank, token, 1.0) for pid, tokens in signature.items()
+                     for rank, token in enumerate(tokens)])
+    con.executemany("INSERT INTO next_tokens VALUES (?, ?, ?, ?, ?)",
+                    [(0, 0, 0, " the", 5), (2, 0, 0, "4", 3), (2, 1, 1, " of", 2), (3, 0, 0, " eleven", 1),
+                     (3, 1, 1, " the", 9)])
+    found = presets.find_prototypes(con, spec, presets.PresetArgs(rules=("next_token", "signature"),
+                                                                  signature_top=3))
+    # signature: '1' and 'Two' in the top 3 (not '3rd', not the 6th-ranked '19'); next_token: 3/5 digits >= 0.3
+    assert found == {0: ["signature"], 1: ["signature"], 2: ["next_token"]}
+    deeper = presets.find_prototypes(con, spec, presets.PresetArgs(rules=("signature",), signature_top=6))
+    assert sorted(deeper) == [0, 1, 4]
 
 
 def test_marker_pattern_counts_whole_words_only():
@@ -150,13 +173,66 @@ def test_behaviour_removal_bench_runs_on_a_tiny_model(tiny, tmp_path, capsys):
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line == json.loads((tmp_path / "b.json").read_text())
     assert result["n_prototypes"] == 3 and result["share_of_bank"] == 3 / tiny["n"] and result["prompts"] == 4
-    assert result["rate_before"]["words"] > 0 and len(result["examples"]) == 4
-    assert result["ppl_other_before"] > 1 and result["ppl_other_after"] > 1 and result["other_tokens"] > 0
-    # suppressing prototypes of this strong tiny bank changes the held-out perplexity
-    assert result["ppl_other_after"] != result["ppl_other_before"]
-    assert result["judge_ppl_before"] > 1 and result["judge_ppl_after"] > 1
+    assert result["modes"] == ["zero", "reroute"]
+    before, zero, reroute = result["before"], result["zero"], result["reroute"]
+    assert before["rate"]["words"] > 0 and len(result["examples"]) == 4
+    assert set(result["examples"][0]) == {"prompt", "before", "zero", "reroute"}
+    assert before["ppl_other"] > 1 and result["other_tokens"]["other"] > 0
+    # suppressing prototypes of this strong tiny bank changes the held-out perplexity, differently per mode
+    assert zero["ppl_other"] != before["ppl_other"] and reroute["ppl_other"] != before["ppl_other"]
+    assert zero["ppl_other"] != reroute["ppl_other"]
+    for after in (zero, reroute):
+        assert after["judge_ppl"] > 1
+        assert after["judge_ratio"] == pytest.approx(after["judge_ppl"] / before["judge_ppl"])
+        assert after["ppl_other_change"] == pytest.approx(after["ppl_other"] / before["ppl_other"] - 1)
+        assert after["all_goals_met"] == all(after["goals"].values())
     assert 0 <= result["active_share_other"]["slots"] <= 1 and 0 <= result["active_share_other"]["activation_mass"] <= 1
-    assert result["judge_ppl_change"] == pytest.approx(result["judge_ppl_after"] / result["judge_ppl_before"] - 1)
+    with pytest.raises(SystemExit):
+        behaviour_removal.main(["--model", str(tiny["model"]), "--db", str(tiny["db"]), "--modes", "erase"])
+
+
+def test_perplexity_splits_marker_and_other_targets_exactly(tiny):
+    from bench.behaviour_removal import _blocks, marker_token_ids, perplexity
+    from prism import PrismForCausalLM
+
+    model = PrismForCausalLM.from_pretrained(tiny["model"]).eval()
+    tokenizer = load_tokenizer(str(tiny["model"]))
+    docs = [type("Doc", (), {"text": "one river and two towns by the 3 mills, four sea"})()] * 3
+    markers = marker_token_ids(tokenizer, presets.PRESETS["numbers"])
+    got = perplexity(model, tokenizer, docs, None, max_tokens=32, seq_len=8, batch_size=2, markers=markers)
+    nll = {True: [], False: []}  # independent: the transformers-style loss one target at a time
+    with torch.no_grad():
+        for block in _blocks(tokenizer, docs, 32, 8).tolist():
+            logits = model(torch.tensor([block])).logits[0]
+            for t in range(len(block) - 1):
+                target = block[t + 1]
+                word = tokenizer.decode([target]).strip().lower()
+                is_marker = word in presets.NUMBER_WORDS or word.isdigit()
+                nll[is_marker].append(-torch.log_softmax(logits[t], -1)[target].item())
+    assert nll[True] and nll[False], "the test text must hold both kinds of target"
+    assert got["markers"]["tokens"] == len(nll[True]) and got["other"]["tokens"] == len(nll[False])
+    assert got["markers"]["perplexity"] == pytest.approx(math.exp(sum(nll[True]) / len(nll[True])), rel=1e-5)
+    assert got["other"]["perplexity"] == pytest.approx(math.exp(sum(nll[False]) / len(nll[False])), rel=1e-5)
+    both = nll[True] + nll[False]
+    assert got["all"]["perplexity"] == pytest.approx(math.exp(sum(both) / len(both)), rel=1e-5)
+
+
+def test_prompts_before_a_marker_end_where_the_text_had_one():
+    from bench.behaviour_removal import make_prompts
+
+    pattern = presets.PRESETS["numbers"].marker_pattern()
+    text = ("The town was founded in 1850 by settlers from the east coast and grew quickly\n"
+            "Short line 12\nIt had nine churches and a school by the year 1900 when the railway came")
+    docs = [type("Doc", (), {"text": text})()]
+    prompts = make_prompts(docs, 2, 8, 0, "before-marker", pattern)  # '12' and 'nine' have < 4 words before
+    lines = text.splitlines()
+    for p in prompts:
+        line = next(line for line in lines if p in line)
+        following = line[line.index(p) + len(p):].split()[0]
+        assert pattern.match(following) and len(p.split()) >= 4
+    assert prompts == ["The town was founded in", "It had nine churches and a school by the year"]
+    with pytest.raises(ValueError, match="only 2"):
+        make_prompts(docs, 3, 8, 0, "before-marker", pattern)
 
 
 def test_behaviour_removal_bench_honours_any_rule_option(tiny, capsys):
