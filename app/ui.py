@@ -129,14 +129,17 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     result = {"original": _generation_json(original), "intervened": _generation_json(intervened),
               "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
     yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-           _generation_status(studio, current, diff), session, result)
+           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True), session,
+           result)
 
 
-def _generation_status(studio: Studio, current: dict, diff=None) -> str:
+def _generation_status(studio: Studio, current: dict, diff=None, done: bool = False) -> str:
     parts = []
     gen = current["original"] or current["intervened"]
     if gen is not None:
         parts += [f"ℹ️ {note}" for note in gen.notes]
+        counts = " and ".join(f"{len(g.steps)} {name}" for name, g in current.items() if g is not None)
+        parts.append(f"Generated {counts} token(s)." if done else f"Generating… {counts} token(s) so far.")
     if current["intervened"] is None:
         parts.append("Click a token to see why the model wrote it. Suppress or scale prototypes on the right, then "
                      "generate again to compare.")
@@ -454,10 +457,12 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             prompt = gr.Textbox(label="Prompt", lines=3, scale=3, elem_id="prompt",
                                                 value="The river flows into the")
                             with gr.Column(scale=2):
-                                max_new = gr.Slider(1, 256, value=24, step=1, label="Max new tokens")
-                                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
-                                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
-                                seed = gr.Number(value=0, precision=0, label="Seed")
+                                max_new = gr.Slider(1, 256, value=24, step=1, label="Max new tokens",
+                                                    elem_id="max-new")
+                                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)",
+                                                        elem_id="temperature")
+                                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p")
+                                seed = gr.Number(value=0, precision=0, label="Seed", elem_id="seed")
                         generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
                         gen_status = gr.Markdown(elem_id="gen-status")
                         with gr.Row():

@@ -1,0 +1,90 @@
+"""The README walkthrough ("switch the King James register off"), driven through the real UI on the shipped
+default in Debian's chromium: the prompt, temperature and seed are read from README.md itself, so the README and
+this test cannot drift apart. It asserts what the README says will be seen: markers in the original continuation,
+fewer (on our machine none) after the preset with the default re-routing, and "why it changed" naming a prototype
+that took a suppressed one's slot. Screenshots go to test-artifacts/. Slow (loads SmolLM2 once)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_app_support import ROOT, running_app
+
+from app.assets import DEFAULT_MODEL, resolve_db
+from precompute.presets import PRESETS
+
+ARTIFACTS = ROOT / "test-artifacts"
+TIMEOUT = 180_000
+MARKERS = PRESETS["kjv-register"].marker_pattern()
+CHANGED_RGB = "rgba(255, 45, 45"  # the highlight of a token the interventions changed
+
+
+def walkthrough_settings() -> dict:
+    """Prompt, temperature and seed of the README walkthrough's step 1."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Walkthrough: switch the King James register off"):]
+    step = re.search(r"type `([^`]+)` as the prompt, Temperature ([\d.]+), Seed (\d+)", section)
+    assert step, "README walkthrough step 1 must name the prompt, Temperature and Seed"
+    return {"prompt": step.group(1), "temperature": float(step.group(2)), "seed": int(step.group(3))}
+
+
+def set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input[type='number']").first
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def tokens(page, elem_id: str) -> list[str]:
+    return page.locator(f"#{elem_id} .textfield .token").all_inner_texts()
+
+
+@pytest.fixture(scope="module")
+def app():
+    ARTIFACTS.mkdir(exist_ok=True)
+    with running_app(DEFAULT_MODEL, resolve_db(None, model_given=False), timeout=600) as url:
+        yield url
+
+
+def test_readme_walkthrough_removes_the_register_and_names_the_replacements(browser, app):
+    settings = walkthrough_settings()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT)
+    page.goto(app)
+    page.wait_for_selector("#prompt textarea")
+    page.fill("#prompt textarea", settings["prompt"])
+    set_number(page, "temperature", settings["temperature"])
+    set_number(page, "seed", settings["seed"])
+    page.click("#generate")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('Generated 24 original')")
+    original = "".join(tokens(page, "original"))
+    before = MARKERS.findall(original)
+    assert before, f"the README promises King James markers in the original continuation: {original!r}"
+
+    # step 3: the preset, with the default way of switching off (re-routing)
+    assert page.locator("#suppress-mode input[value='reroute']").is_checked()
+    page.locator("#preset input").click()
+    page.get_by_role("option", name=PRESETS["kjv-register"].title).click()
+    page.click("#preset-apply")
+    page.wait_for_function("document.querySelector('#iv-status').innerText.includes('added')")
+    assert PRESETS["kjv-register"].title in page.inner_text("#interventions")
+
+    # step 4: generate again, side by side
+    page.click("#generate")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('24 intervened token(s).')")
+    intervened = "".join(tokens(page, "intervened"))
+    after = MARKERS.findall(intervened)
+    assert len(after) < len(before), (original, intervened)
+    assert "".join(tokens(page, "original")) == original  # the original is kept for the comparison
+    status = page.inner_text("#gen-status")
+    assert re.search(r"slots went to #\d+", status), status
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-1-side-by-side.png"), full_page=True)
+
+    # click the first changed token: "why it changed" names a replacing prototype
+    first_change = page.locator(f"#intervened .textfield .token[style*='{CHANGED_RGB}']").first
+    first_change.click()
+    page.wait_for_function("document.querySelector('#token-summary').innerText.includes('Why it changed')")
+    summary = page.inner_text("#token-summary")
+    assert re.search(r"re-routed to #\d+", summary), summary
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-2-why-it-changed.png"), full_page=True)
+    page.close()
