@@ -4,10 +4,9 @@ behaviour's rate, the continuations' fluency and the cost elsewhere, side by sid
     python -m bench.behaviour_removal --model assets/model --db assets/prism-default.duckdb --preset kjv-register
     python -m bench.behaviour_removal --model assets/model --db assets/prism-default.duckdb --preset numbers
 
-Prompts come from held-out documents of the default corpus (documents the model never trained on), a seeded choice
-of lines: for the King James register the first --prompt-words words of verses; for numbers the words of a
-Wikipedia or news line just before a number (at least 4, at most 2 x --prompt-words of them), so the model is asked
-for a number next. Each prompt is continued with --max-new-tokens sampled tokens as the model is ("before") and with the
+Prompts are the first --prompt-words words of a seeded choice of lines from held-out documents of the default
+corpus (documents the model never trained on): verses for the King James register, Wikipedia and news paragraphs
+for numbers. Each prompt is continued with --max-new-tokens sampled tokens as the model is ("before") and with the
 preset suppressed in each --modes ("zero": the slices removed; "reroute": the prototypes masked out of the top-k
 so the nearest others take their slots), with the same seeds. The behaviour's rate is counted in the continuations
 only: markers per 100 words, and the share of continuations with at least one.
@@ -49,8 +48,8 @@ from prism.model import SUPPRESS_MODES
 
 logger = logging.getLogger("bench.behaviour_removal")
 
-# preset -> (the corpus sources whose held-out documents give the prompts, how a line becomes a prompt)
-PROMPTS = {"kjv-register": (("kjv",), "line-start"), "numbers": (("wiki", "news"), "before-marker")}
+# preset -> the corpus sources whose held-out documents give the prompts
+PROMPTS = {"kjv-register": ("kjv",), "numbers": ("wiki", "news")}
 OTHER_SOURCES = ("wiki", "news")  # the cost is measured on held-out text of these
 GOALS = {"rate_drop": 0.70, "judge_ratio": 1.5, "ppl_other_change": 0.02}
 
@@ -65,26 +64,15 @@ def held_out(corpus: str, val_fraction: float, split: str = "val") -> dict[str, 
     return by_source
 
 
-def make_prompts(docs: list, n: int, words: int, seed: int, style: str = "line-start",
-                 pattern: re.Pattern | None = None) -> list[str]:
-    """n prompts from the documents' lines, a seeded choice. "line-start": the first `words` words of lines with at
-    least 2 * words words. "before-marker": the words of a line before a word that starts with a marker (pattern),
-    when there are at least 4 of them (the last 2 * words kept), so the continuation is where the text had one."""
+def make_prompts(docs: list, n: int, words: int, seed: int) -> list[str]:
+    """n prompts: the first `words` words of lines (verses, paragraphs) with at least 2 * words words, a seeded
+    choice."""
     lines = [line.split() for doc in docs for line in doc.text.splitlines()]
-    if style == "line-start":
-        candidates = [" ".join(line[:words]) for line in lines if len(line) >= 2 * words]
-    elif style == "before-marker":
-        candidates = []
-        for line in lines:
-            for i, word in enumerate(line):
-                if i >= 4 and pattern.match(word) and not line[i - 1].endswith((".", "=")):
-                    candidates.append(" ".join(line[max(0, i - 2 * words): i]))
-    else:
-        raise ValueError(f"unknown prompt style {style!r}")
-    if len(candidates) < n:
-        raise ValueError(f"only {len(candidates)} held-out lines give a {style} prompt, {n} asked for")
-    chosen = random.Random(seed).sample(range(len(candidates)), n)
-    return [candidates[i] for i in sorted(chosen)]
+    lines = [line for line in lines if len(line) >= 2 * words]
+    if len(lines) < n:
+        raise ValueError(f"only {len(lines)} held-out lines of >= {2 * words} words for {n} prompts")
+    chosen = random.Random(seed).sample(range(len(lines)), n)
+    return [" ".join(lines[i][:words]) for i in sorted(chosen)]
 
 
 @torch.no_grad()
@@ -195,8 +183,10 @@ def active_share(model: PrismForCausalLM, tokenizer, docs: list, ids: list[int],
             "positions_half_or_more": half / positions}
 
 
-def run(args: argparse.Namespace) -> dict:
-    spec = PRESETS[args.preset]
+def run(args: argparse.Namespace, preset: str, loaded: dict | None = None) -> dict:
+    """One preset's measurement (module docstring). The model and tokenizer are loaded from args.model once the
+    preset's prototypes are found, and kept in `loaded` for the next preset."""
+    spec = PRESETS[preset]
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if not modes or set(modes) - set(SUPPRESS_MODES):
         raise ValueError(f"--modes must be a non-empty subset of {', '.join(SUPPRESS_MODES)}, got {args.modes!r}")
@@ -208,24 +198,27 @@ def run(args: argparse.Namespace) -> dict:
     con = connect(args.db, read_only=True)
     try:
         if rule is None:  # the stored preset, exactly what the app's button applies
-            found = preset_prototypes(con, args.preset)
+            found = preset_prototypes(con, preset)
         else:  # a variant of the rule, found afresh (read-only) for tuning
             found = [{"prototype_id": pid, "reasons": reasons}
-                     for pid, reasons in find_prototypes(con, PRESETS[args.preset], rule).items()]
+                     for pid, reasons in find_prototypes(con, spec, rule).items()]
     finally:
         con.close()
     if not found:
-        raise ValueError(f"the database holds no prototypes for preset {args.preset!r}: run "
+        raise ValueError(f"the database holds no prototypes for preset {preset!r}: run "
                          "python -m precompute.presets --db ... first")
-    model = PrismForCausalLM.from_pretrained(args.model).eval()
-    tokenizer = load_tokenizer(str(args.model))
+    loaded = {} if loaded is None else loaded
+    if "model" not in loaded:
+        loaded["model"] = PrismForCausalLM.from_pretrained(args.model).eval()
+        loaded["tokenizer"] = load_tokenizer(str(args.model))
+    model, tokenizer = loaded["model"], loaded["tokenizer"]
     ids = [r["prototype_id"] for r in found]
     conditions = {"before": None, **{m: Interventions(suppress=frozenset(ids), suppress_mode=m) for m in modes}}
     docs = held_out(args.corpus, args.val_fraction, args.prompt_split)
-    sources, style = PROMPTS[args.preset]
+    sources = PROMPTS[preset]
     pattern = spec.marker_pattern()
     prompts = make_prompts([d for s in sources for d in docs.get(s, [])], args.prompts, args.prompt_words,
-                           args.seed, style, pattern)
+                           args.seed)
     gen, gen_ids = {}, {}
     for name, iv in conditions.items():
         gen_ids[name] = []
@@ -283,7 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     examples = [{"prompt": p, **{name: gen[name][n] for name in conditions}}
                 for n, p in enumerate(prompts[: args.examples])]
     return {
-        "preset": args.preset, "rule": "stored" if rule is None else
+        "preset": preset, "rule": "stored" if rule is None else
         {"rules": ",".join(rule.rules), "signature_top": rule.for_preset(spec)[1],
          "min_share": rule.for_preset(spec)[0]},
         "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes, "reasons": reasons,
@@ -299,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="PRISM checkpoint folder with its tokenizer")
     parser.add_argument("--db", required=True, help="precompute database with the presets job done")
-    parser.add_argument("--preset", default="kjv-register", choices=sorted(PROMPTS))
+    parser.add_argument("--preset", default="kjv-register",
+                        help="preset(s) to measure, comma-separated (one JSON line each, the model loaded once): "
+                             + ", ".join(sorted(PROMPTS)))
     parser.add_argument("--modes", default=",".join(SUPPRESS_MODES),
                         help="suppression modes measured side by side: comma-separated subset of "
                              + ", ".join(SUPPRESS_MODES))
@@ -331,24 +326,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict | list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in ("prompts", "prompt_words", "max_new_tokens", "batch_size", "max_eval_tokens", "seq_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    presets = [p.strip() for p in args.preset.split(",") if p.strip()]
+    unknown = sorted(set(presets) - set(PROMPTS))
+    if unknown or not presets:
+        parser.error(f"--preset must name presets among {', '.join(sorted(PROMPTS))}, got {args.preset!r}")
+    results, loaded = [], {}
     try:
-        result = run(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:  # a bad rule variant (PresetArgs) lands here too
+        for preset in presets:
+            results.append(run(args, preset, loaded))
+            line = json.dumps(results[-1])
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            if args.out:  # one line per preset, written as each finishes
+                Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
+    except (ValueError, FileNotFoundError, KeyError, OSError) as err:  # a bad rule variant (PresetArgs) lands here too
         parser.error(str(err))
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    sys.stdout.write(line + "\n")
-    if not math.isfinite(result[result["modes"][0]]["rate_drop"]):
-        logger.warning("the prompts produced no marker word before suppression: the rate drop is undefined")
-    return result
+    for result in results:
+        if not math.isfinite(result[result["modes"][0]]["rate_drop"]):
+            logger.warning("%s: the prompts produced no marker before suppression: the rate drop is undefined",
+                           result["preset"])
+    return results[0] if len(results) == 1 else results
 
 
 if __name__ == "__main__":

@@ -82,8 +82,7 @@ PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
         name="numbers",
         title="Remove numbers and dates",
         description="Suppress the prototypes behind numbers: digits, years and number words. Measured on held-out "
-                    "Wikipedia and news prompts that stop just before a number, by bench/behaviour_removal.py "
-                    "(docs/RESULTS.md).",
+                    "Wikipedia and news prompts by bench/behaviour_removal.py (docs/RESULTS.md).",
         markers=NUMBER_WORDS,
         token_pattern="[0-9]+",
         signature_top=5,

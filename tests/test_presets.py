@@ -217,24 +217,6 @@ def test_perplexity_splits_marker_and_other_targets_exactly(tiny):
     assert got["all"]["perplexity"] == pytest.approx(math.exp(sum(both) / len(both)), rel=1e-5)
 
 
-def test_prompts_before_a_marker_end_where_the_text_had_one():
-    from bench.behaviour_removal import make_prompts
-
-    pattern = presets.PRESETS["numbers"].marker_pattern()
-    text = ("The town was founded in 1850 by settlers from the east coast and grew quickly\n"
-            "Short line 12\nIt had nine churches and a school by the year 1900 when the railway came")
-    docs = [type("Doc", (), {"text": text})()]
-    prompts = make_prompts(docs, 2, 8, 0, "before-marker", pattern)  # '12' and 'nine' have < 4 words before
-    lines = text.splitlines()
-    for p in prompts:
-        line = next(line for line in lines if p in line)
-        following = line[line.index(p) + len(p):].split()[0]
-        assert pattern.match(following) and len(p.split()) >= 4
-    assert prompts == ["The town was founded in", "It had nine churches and a school by the year"]
-    with pytest.raises(ValueError, match="only 2"):
-        make_prompts(docs, 3, 8, 0, "before-marker", pattern)
-
-
 def test_behaviour_removal_bench_honours_any_rule_option(tiny, capsys):
     from bench import behaviour_removal
 
