@@ -439,20 +439,20 @@ class PrismForCausalLM(nn.Module):
         sims = self.prototypes.similarities(z)  # (B, T, K)
         ids, acts = self.prototypes.activate(sims, self.config.top_k)  # (B, T, k) each
         z_hat = self.prototypes.reconstruct(ids, acts)  # (B, T, d)
-        out = PrismOutput(prototype_ids=ids, activations=acts, residual=z - z_hat, z=z, z_hat=z_hat,
-                          sims=sims if return_sims else None)
+        residual = z - z_hat  # (B, T, d)
+        used_ids = used_acts = None
         if interventions is None or interventions.is_empty:
-            out.logits = self.lm_head(z)  # (B, T, V)
-            return out
-        selected = self.select(sims, interventions) if interventions.reroutes else (ids, acts)
-        used_ids, used_acts = self.effective_activations(*selected, interventions)  # (B, T, k') each
-        if interventions.reroutes:  # a new selection: rebuild z' = r + sum_j a'_j p_j
-            z_used = out.residual + self.prototypes.reconstruct(used_ids, used_acts)
-        else:  # the same selection: add only what changed, z' = z + sum_j (a'_j - a_j) p_j
-            z_used = z + self._delta(ids, acts, used_ids, used_acts)
-        out.logits = self.lm_head(z_used)  # (B, T, V)
-        out.used_prototype_ids, out.used_activations = used_ids, used_acts
-        return out
+            z_used = z
+        else:
+            selected = self.select(sims, interventions) if interventions.reroutes else (ids, acts)
+            used_ids, used_acts = self.effective_activations(*selected, interventions)  # (B, T, k') each
+            if interventions.reroutes:  # a new selection: rebuild z' = r + sum_j a'_j p_j
+                z_used = residual + self.prototypes.reconstruct(used_ids, used_acts)
+            else:  # the same selection: add only what changed, z' = z + sum_j (a'_j - a_j) p_j
+                z_used = z + self._delta(ids, acts, used_ids, used_acts)
+        return PrismOutput(logits=self.lm_head(z_used), prototype_ids=ids, activations=acts, residual=residual, z=z,
+                           z_hat=z_hat, sims=sims if return_sims else None, used_prototype_ids=used_ids,
+                           used_activations=used_acts)  # logits (B, T, V)
 
     def select(self, sims: torch.Tensor, interventions: Interventions | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
