@@ -107,9 +107,9 @@ def test_decomposition_sums_to_the_logit_used_and_names_the_replacements(kind, m
         assert not suppress & set(d.prototype_ids)
         assert set(d.removed_ids) == suppress & {i for i, a in zip(own, plain.activations[0, -1].tolist()) if a > 0}
         # The residual slice is the position's own residual in both modes.
-        W = model.lm_head.weight
+        W = model.lm_head.weight.detach()
         own_residual = float(W[d.token_id] @ plain.residual[0, -1]) + float(
-            model.lm_head.bias[d.token_id] if model.lm_head.bias is not None else 0.0)
+            model.lm_head.bias.detach()[d.token_id] if model.lm_head.bias is not None else 0.0)
         assert d.residual == pytest.approx(own_residual, rel=1e-4, abs=1e-5)
         if mode == "zero":
             assert d.rerouted_ids == [] and set(d.prototype_ids) <= set(own)
