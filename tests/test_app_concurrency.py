@@ -1,5 +1,6 @@
 """Eight gradio_client sessions with different interventions at once against a running app.py: no errors, and
-every session sees exactly its own interventions and the text model.generate writes with them."""
+every session sees exactly its own interventions (and its own way of suppressing: half of them switch from the
+app's default re-routing to removing the slices) and the text model.generate writes with them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from test_app_support import running_app, shared_assets
 
 from app.core import GenerationSettings, Studio
+from app.session import DEFAULT_SUPPRESS_MODE
 from prism import Interventions
 
 N_USERS = 8
@@ -17,12 +19,16 @@ TOKENS = 6
 
 
 def user_plan(n: int) -> tuple[list[tuple[str, tuple]], Interventions]:
-    """Different interventions per user: suppress one or two prototypes, or scale one."""
+    """Different interventions per user: suppress one or two prototypes, or scale one; odd users remove the
+    slices instead of re-routing."""
+    mode = "zero" if n % 2 else DEFAULT_SUPPRESS_MODE
+    switch = [("/suppress_mode", (mode,))] if mode != DEFAULT_SUPPRESS_MODE else []
     if n % 3 == 0:
-        return [("/suppress", (n,))], Interventions(suppress={n})
+        return switch + [("/suppress", (n,))], Interventions(suppress={n}, suppress_mode=mode)
     if n % 3 == 1:
-        return [("/suppress", (n,)), ("/suppress", (n + 8,))], Interventions(suppress={n, n + 8})
-    return [("/scale", (n, 3.0))], Interventions(scale={n: 3.0})
+        return switch + [("/suppress", (n,)), ("/suppress", (n + 8,))], \
+            Interventions(suppress={n, n + 8}, suppress_mode=mode)
+    return switch + [("/scale", (n, 3.0))], Interventions(scale={n: 3.0}, suppress_mode=mode)
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +72,11 @@ def test_eight_sessions_do_not_see_each_other(assets):
         assert all(f"{p}" in described for p in interventions.suppress), (n, described)
         got = result["intervened"]["interventions"]
         assert set(got["suppress"]) == set(interventions.suppress), (n, got)
+        assert got["suppress_mode"] == interventions.suppress_mode, (n, got)
         assert {int(k): v for k, v in got["scale"].items()} == interventions.scale, (n, got)
         assert [t["token_id"] for t in result["intervened"]["tokens"]] == expected[n], n
         assert [t["token_id"] for t in result["original"]["tokens"]] == original, n
-        assert len(rows["data"]) == len(user_plan(n)[0]), (n, rows)
+        assert len(rows["data"]) == len([c for c in user_plan(n)[0] if c[0] != "/suppress_mode"]), (n, rows)
         assert sorted(interventions.suppress) == sorted(
             int(p) for row in rows["data"] for p in str(row[2]).split(", ") if row[1].startswith("suppress"))
         chosen = token[5]["chosen"]
