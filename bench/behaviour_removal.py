@@ -235,8 +235,9 @@ def run(args: argparse.Namespace, preset: str, loaded: dict | None = None) -> di
             per[name]["judge_ppl"] = judge_perplexity(judge, tokenizer, prompts, token_ids)["perplexity"]
         del judge
     shares, other_tokens = {}, None
-    if not args.skip_perplexity:  # always on held-out text, whatever split the prompts came from
-        val = docs if args.prompt_split == "val" else held_out(args.corpus, args.val_fraction, "val")
+    if not args.skip_perplexity:  # on held-out text unless tuning asks for training text (--eval-split train)
+        val = docs if args.prompt_split == args.eval_split else held_out(args.corpus, args.val_fraction,
+                                                                         args.eval_split)
         other = [d for s in OTHER_SOURCES for d in val.get(s, [])]
         markers = marker_token_ids(tokenizer, spec)
         extra = [s for s in sources if s not in OTHER_SOURCES]  # the register's own source (expected to rise)
@@ -280,7 +281,8 @@ def run(args: argparse.Namespace, preset: str, loaded: dict | None = None) -> di
         {"rules": ",".join(rule.rules), "signature_top": rule.for_preset(spec)[1],
          "min_share": rule.for_preset(spec)[0]},
         "n_prototypes": len(ids), "share_of_bank": len(ids) / model.config.n_prototypes, "reasons": reasons,
-        "prompt_split": args.prompt_split, "prompt_sources": list(sources), "prompts": len(prompts),
+        "prompt_split": args.prompt_split, "eval_split": args.eval_split, "prompt_sources": list(sources),
+        "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "seed": args.seed, "judge": judge_spec, "other_tokens": other_tokens, "modes": list(modes),
         **per, **shares, "examples": examples,
@@ -303,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-split", choices=("val", "train"), default="val",
                         help="documents the prompts come from: held-out (the measurement) or training (tuning)")
     parser.add_argument("--skip-perplexity", action="store_true", help="rates only (tuning)")
+    parser.add_argument("--eval-split", choices=("val", "train"), default="val",
+                        help="documents the perplexities are measured on: held-out (the measurement) or training "
+                             "(tuning a rule without looking at held-out text)")
     parser.add_argument("--judge", default=None,
                         help="model that scores the continuations' fluency (default: the model's untouched backbone)")
     parser.add_argument("--no-judge", action="store_true", help="skip the fluency score")
