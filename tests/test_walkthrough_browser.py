@@ -1,8 +1,9 @@
 """The README walkthrough ("switch the King James register off"), driven through the real UI on the shipped
 default in Debian's chromium: the prompt, temperature and seed are read from README.md itself, so the README and
 this test cannot drift apart. It asserts what the README says will be seen: markers in the original continuation,
-fewer (on our machine none) after the preset with the default re-routing, and "why it changed" naming a prototype
-that took a suppressed one's slot. Screenshots go to test-artifacts/. Slow (loads SmolLM2 once)."""
+a marker's slices adding up to its logit, fewer markers (on our machine none) after the preset with the default
+re-routing, "why it changed" naming a prototype that took a suppressed one's slot, and another text once the
+session switches to removing the slices. Screenshots go to test-artifacts/. Slow (loads SmolLM2 once)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,16 @@ def test_readme_walkthrough_removes_the_register_and_names_the_replacements(brow
     before = MARKERS.findall(original)
     assert before, f"the README promises King James markers in the original continuation: {original!r}"
 
+    # step 2: click a marker token; its slices add up to its logit
+    chips = tokens(page, "original")
+    marker = next(i for i, t in enumerate(chips) if MARKERS.fullmatch(t.strip()))
+    page.locator("#original .textfield .token").nth(marker).click()
+    page.wait_for_function(f"document.querySelector('#token-summary').innerText.includes('{chips[marker].strip()}')")
+    summary = page.inner_text("#token-summary")
+    total, logit = (float(x) for x in re.search(r"= ([-\d.]+); the model's logit is ([-\d.]+)", summary).groups())
+    assert abs(total - logit) <= 1e-3 * max(1, abs(logit)), summary
+    page.wait_for_function("document.querySelector('#card').innerText.includes('#')")
+
     # step 3: the preset, with the default way of switching off (re-routing)
     assert page.locator("#suppress-mode input[value='reroute']").is_checked()
     page.locator("#preset input").click()
@@ -87,4 +98,17 @@ def test_readme_walkthrough_removes_the_register_and_names_the_replacements(brow
     summary = page.inner_text("#token-summary")
     assert re.search(r"re-routed to #\d+", summary), summary
     page.screenshot(path=str(ARTIFACTS / "walkthrough-2-why-it-changed.png"), full_page=True)
+
+    # step 5: the other reading of suppression, for this session only
+    page.get_by_label("remove the slice").check()
+    page.wait_for_function("document.querySelector('#iv-status').innerText.includes('remove the slice')")
+    page.click("#generate")
+    page.wait_for_function(
+        "(t) => document.querySelector('#gen-status').innerText.includes('24 intervened token(s).') && "
+        "Array.from(document.querySelectorAll('#intervened .textfield .token')).map(e => e.innerText).join('') != t",
+        arg="".join(tokens(page, "intervened")))
+    removed = "".join(tokens(page, "intervened"))
+    assert removed != intervened and "".join(tokens(page, "original")) == original
+    assert not re.search(r"slots went to #\d+", page.inner_text("#gen-status"))  # nothing is re-routed now
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-3-slices-removed.png"), full_page=True)
     page.close()
