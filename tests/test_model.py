@@ -144,11 +144,12 @@ def test_greedy_generation_matches_the_backbone(kind):
     torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("mode", ["zero", "reroute"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_generation_with_interventions_equals_recomputing_without_cache(kind):
+def test_cached_generation_with_interventions_equals_recomputing_without_cache(kind, mode):
     model = tiny_prism(kind)
     ids = random_ids(batch=1, length=6, seed=7)
-    iv = Interventions(suppress={0, 1, 2}, scale={3: 2.5}, inject={4: 0.8})
+    iv = Interventions(suppress={0, 1, 2}, scale={3: 2.5}, inject={4: 0.8}, suppress_mode=mode)
     generated = model.generate(ids, max_new_tokens=10, interventions=iv)
     seq = ids
     with torch.no_grad():

@@ -119,21 +119,19 @@ def test_decomposition_sums_to_the_logit_used_and_names_the_replacements(kind, m
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_generation_equals_uncached_under_reroute(kind):
+def test_stream_reports_the_rerouted_prototypes_it_used(kind):
+    # (cached generation equals recomputing without a cache in both modes: tests/test_model.py)
     model = tiny_prism(kind)
     ids = random_ids(batch=1, length=6, seed=7)
     plain = model(ids)
-    iv = Interventions(suppress=_suppressed_set(plain, 3), scale={5: 1.5} if 5 not in _suppressed_set(plain, 3)
-                       else {}, suppress_mode="reroute")
-    generated = model.generate(ids, max_new_tokens=10, interventions=iv)
-    seq = ids
-    with torch.no_grad():
-        for _ in range(10):  # no KV cache: the whole sequence each step
-            nxt = model(seq, interventions=iv).logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], dim=1)
-    torch.testing.assert_close(generated, seq)
+    iv = Interventions(suppress=_suppressed_set(plain, 3), suppress_mode="reroute")
     steps = list(model.stream(ids, max_new_tokens=3, interventions=iv))
-    assert all(not np.isin(s.used_prototype_ids.numpy(), list(iv.suppress)).any() for s in steps)
+    seq = model.generate(ids, max_new_tokens=3, interventions=iv)
+    for n, step in enumerate(steps):  # each step's used prototypes are those of a full forward at that position
+        full = model(seq[:, : ids.shape[1] + n], interventions=iv)
+        torch.testing.assert_close(step.used_prototype_ids, full.used_prototype_ids[:, -1])
+        torch.testing.assert_close(step.used_activations, full.used_activations[:, -1], rtol=1e-4, atol=1e-5)
+        assert not np.isin(step.used_prototype_ids.numpy(), list(iv.suppress)).any()
 
 
 def test_reroute_leaves_no_state_between_calls():
