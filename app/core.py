@@ -222,6 +222,8 @@ class Studio:
         self.db = db
         self.db_error = db_error
         self.n_prototypes = model.config.n_prototypes
+        # Generation ends at the tokenizer's end-of-text and other special tokens (none is ever shown as text).
+        self.stop_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
         if db is not None and len(db.labels) != self.n_prototypes:
             self.db_error = (f"{db.path} describes {len(db.labels)} prototypes but the model has "
                              f"{self.n_prototypes}: it was built for another model, so it is not used")
@@ -302,6 +304,10 @@ class Studio:
                                       do_sample=settings.do_sample, temperature=settings.temperature or 1.0,
                                       top_p=settings.top_p, seed=settings.seed):
             token = int(step.token_ids[0])
+            if token in self.stop_ids:  # end of text: stop there, and never show a special token as text
+                gen.notes.append(f"the model ended the text after {len(gen.steps)} token(s)")
+                yield gen
+                return
             rerouted: list[int] = []
             if step.used_prototype_ids is None:
                 pids, acts = step.prototype_ids[0], step.activations[0]

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 RUNS = ("original", "intervened")
 CHANGED = "changed by intervention"
+NEWLINE = "⏎"  # how a line break shows inside a token chip: every token stays one clickable chip
 ORDERINGS = {"activation count": "activation_count", "label score": "label_score", "prototype id": "prototype_id"}
 TABLE_HEADERS = ["prototype_id", "label", "category", "score", "activation_count"]
 ACTIVE_HEADERS = ["prototype_id", "label", "category", "activation", "contribution"]
@@ -64,7 +65,7 @@ def _highlights(studio: Studio, gen: Generation | None, diff_status: list[str] |
         label = studio.top_category(step)
         if diff_status is not None and diff_status[i] in ("first change", "changed"):
             label = CHANGED
-        out.append((step.text, label))
+        out.append((step.text.replace("\r\n", NEWLINE).replace("\n", NEWLINE), label))
     return out
 
 
@@ -195,14 +196,34 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
             rows, top, session, data)
 
 
+def clear_explanation():
+    """A new generation empties the explanation panel: it described a token of the previous text. Returns the
+    panel's outputs (plots, summary, rows, data, training-data panel and its data)."""
+    empty = plots.empty_figure("click a token of the new text")
+    return empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION, None
+
+
+def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session):
+    """The training-data panel follows the explained token; with no token explained it is empty."""
+    if not token:
+        return EMPTY_ATTRIBUTION, None
+    return attribution_panel(studio, run, index, session)
+
+
 def _token_summary(view: TokenView, why) -> str:
     d = view.chosen
     lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
              f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}** "
              f"(while generating: {view.stream_logit:.4f})."]
-    if len(view.alternatives) > 1:
-        best_other = next(a for a in view.alternatives if a.token_id != d.token_id)
-        lines.append(f"Runner-up {html.escape(repr(best_other.token))} at {best_other.logit:.4f}.")
+    others = [a for a in view.alternatives if a.token_id != d.token_id]
+    if others:
+        best = max(view.alternatives, key=lambda a: a.logit)
+        if best.token_id == d.token_id:
+            lines.append(f"Chosen: the highest logit; next best {html.escape(repr(others[0].token))} at "
+                         f"{others[0].logit:.4f}.")
+        else:
+            lines.append(f"Chosen (sampled): {html.escape(repr(d.token))} at {d.logit:.4f}; highest logit "
+                         f"{html.escape(repr(best.token))} at {best.logit:.4f}.")
     if d.rerouted_ids:
         lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
                      f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")
@@ -556,6 +577,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
 
         card_outputs = [card_md, signature, histogram, evidence, card_json]
         iv_outputs = [session, iv_table, iv_status]
+        generate_btn.click(clear_explanation, None, [waterfall, alternatives, token_md, active, token_json,
+                                                     attribution_html, attribution_json], api_name=False)
         generate_btn.click(partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session],
                            [original, intervened, gen_status, session, result_json], api_name="generate",
                            concurrency_limit=concurrency, concurrency_id="model")
@@ -601,8 +624,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         attribution_outputs = [attribution_html, attribution_json]
         attribute_btn.click(partial(attribution_panel, studio), [run, index, session], attribution_outputs,
                             api_name="attribute", concurrency_limit=concurrency, concurrency_id="model")
-        token_json.change(partial(attribution_panel, studio), [run, index, session], attribution_outputs,
-                          api_name=False)
+        token_json.change(partial(refresh_attribution, studio), [token_json, run, index, session],
+                          attribution_outputs, api_name=False)
 
         demo.load(partial(map_plot, studio), None, [proto_map], api_name="map").then(
             partial(search, studio), [query_box, mode, category, order], [table, search_status], api_name=False)

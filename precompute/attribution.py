@@ -67,8 +67,8 @@ JOB = "attribution"
 # Testing hook: "fit:N" or "vectors:N" kills this process with SIGKILL after chunk N of that pass, before the
 # chunk's checkpoint (fit) or right after its commit (vectors).
 KILL_HOOK = "PRISM_ATTRIBUTION_KILL_AT"
-BUILD_HINT = ("this database has no attribution cache: build it with `python -m precompute build --model MODEL "
-              "--corpus CORPUS --db DB --jobs attribution`")
+BUILD_HINT = ("this database has no attribution cache: build one into a copy of it with `python -m "
+              "precompute.attribution --model MODEL --corpus CORPUS --db DB` (README: Training data behind a token)")
 
 
 @dataclass

@@ -60,8 +60,8 @@ def test_the_panel_says_how_to_build_what_is_missing(assets, studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=3))
     plain = Studio.load(assets["model"], assets["db"])  # evidence and labels, no attribution cache
     html, data = attribution_panel(plain, "original", 1, Session(original=gen))
-    assert data is None and "--jobs attribution" in html
-    with pytest.raises(AppError, match="--jobs attribution"):
+    assert data is None and "python -m precompute.attribution --model" in html
+    with pytest.raises(AppError, match="python -m precompute.attribution --model"):
         plain.attribute(gen, 1)
     bare = Studio(studio.model, studio.tokenizer)  # no database at all
     html, _ = attribution_panel(bare, "original", 1, Session(original=gen))

@@ -4,6 +4,8 @@ really flip the token, sessions build the right Interventions, and bad input get
 
 from __future__ import annotations
 
+import html
+
 import pytest
 import torch
 from test_app_support import shared_assets
@@ -161,6 +163,53 @@ def test_why_changed_under_reroute_names_the_replacements(studio):
     # the flip set holds only intervened prototypes, and re-routing it alone changes the token
     assert why.flip_set == [pid]
     assert int(studio.model.generate(prefix, 1, interventions=interventions)[0, -1]) != ref
+
+
+def test_generation_stops_at_a_special_token_and_never_shows_it(studio):
+    assert studio.stop_ids == set(studio.tokenizer.all_special_ids) and studio.stop_ids
+    settings = GenerationSettings(PROMPT, max_new_tokens=6)
+    full = studio.generate(settings)
+    stop = full.steps[2].token_id  # pretend the third token the model writes is the end of text
+    saved = studio.stop_ids
+    try:
+        studio.stop_ids = frozenset({stop})
+        cut = studio.generate(settings)
+    finally:
+        studio.stop_ids = saved
+    first = full.token_ids.index(stop)
+    assert cut.token_ids == full.token_ids[:first] and "ended the text" in cut.notes[-1]
+    assert stop not in cut.token_ids
+
+
+def test_every_token_is_one_chip_and_newlines_show_as_a_mark(studio):
+    gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=4))
+    gen.steps[1].text = "\n\n"  # as a line-break token would read
+    gen.steps[2].text = " end\r\n"
+    chips = ui._highlights(studio, gen)
+    assert len(chips) == len(gen.steps)
+    assert [c[0] for c in chips][1:3] == [ui.NEWLINE * 2, " end" + ui.NEWLINE]
+    assert not any("\n" in text or "\r" in text for text, _ in chips)
+
+
+def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studio):
+    greedy = studio.generate(GenerationSettings(PROMPT, max_new_tokens=6))
+    summary = ui._token_summary(studio.token_view(greedy, 0), None)
+    assert "Chosen: the highest logit; next best" in summary and "Runner-up" not in summary
+    sampled = studio.generate(GenerationSettings(PROMPT, max_new_tokens=24, temperature=2.0, seed=1))
+    for index in range(len(sampled.steps)):
+        view = studio.token_view(sampled, index)
+        if view.alternatives[0].token_id != view.chosen.token_id:  # alternatives are sorted by logit
+            summary = ui._token_summary(view, None)
+            assert "Chosen (sampled)" in summary and html.escape(repr(view.alternatives[0].token)) in summary
+            break
+    else:
+        pytest.fail("at temperature 2 some sampled token should not be the argmax")
+
+
+def test_a_new_generation_clears_the_explanation_panel(studio):
+    waterfall, alternatives, summary, rows, data, attribution, attribution_data = ui.clear_explanation()
+    assert "new text" in summary and rows == [] and data is None and attribution_data is None
+    assert ui.refresh_attribution(studio, None, "original", 3, Session()) == (ui.EMPTY_ATTRIBUTION, None)
 
 
 def test_session_suppress_mode_defaults_to_reroute_and_is_per_session():

@@ -59,6 +59,8 @@ def test_readme_walkthrough_removes_the_register_and_names_the_replacements(brow
     page.click("#generate")
     page.wait_for_function("document.querySelector('#gen-status').innerText.includes('Generated 24 original')")
     original = "".join(tokens(page, "original"))
+    assert len(tokens(page, "original")) == 24  # one chip per token, line breaks included (shown as a mark)
+    assert "<|" not in original  # no special token as text
     before = MARKERS.findall(original)
     assert before, f"the README promises King James markers in the original continuation: {original!r}"
 
@@ -103,6 +105,8 @@ def test_readme_walkthrough_removes_the_register_and_names_the_replacements(brow
     page.get_by_label("remove the slice").check()
     page.wait_for_function("document.querySelector('#iv-status').innerText.includes('remove the slice')")
     page.click("#generate")
+    # the explanation belonged to the previous text: the new generation empties it
+    page.wait_for_function("document.querySelector('#token-summary').innerText.includes('new text')")
     page.wait_for_function(
         "(t) => document.querySelector('#gen-status').innerText.includes('24 intervened token(s).') && "
         "Array.from(document.querySelectorAll('#intervened .textfield .token')).map(e => e.innerText).join('') != t",
