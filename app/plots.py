@@ -28,21 +28,32 @@ def slice_name(prototype_id: int, label: str) -> str:
 
 
 def decomposition_figure(d: TokenDecomposition) -> go.Figure:
-    """Waterfall: residual, then one bar per active prototype, ending in the exact sum; the model's logit is
-    written beside the sum."""
-    names = ["residual"] + [slice_name(s.prototype_id, s.label) for s in d.slices] + ["sum"]
-    values = [d.residual] + [s.contribution for s in d.slices] + [d.total]
+    """Horizontal waterfall, read top to bottom: the residual first (set apart), then one bar per active prototype
+    from the largest contribution to the smallest, ending in the exact sum; a dotted line marks the model's logit,
+    which the sum meets."""
+    slices = sorted(d.slices, key=lambda s: -s.contribution)
+    names = ["residual (W·r + b)"] + [slice_name(s.prototype_id, s.label) for s in slices] + ["sum"]
+    values = [d.residual] + [s.contribution for s in slices] + [d.total]
     hover = [f"residual (W·r + b): {d.residual:+.4f}"] + [
         f"#{s.prototype_id} {s.label}<br>{s.category}<br>activation {s.activation:.4f}<br>"
-        f"contribution {s.contribution:+.4f}" for s in d.slices] + [f"sum {d.total:.4f}<br>model logit {d.logit:.4f}"]
+        f"contribution {s.contribution:+.4f}" for s in slices] + [f"sum {d.total:.4f}<br>model logit {d.logit:.4f}"]
     fig = go.Figure(go.Waterfall(
-        x=names, y=values, measure=["relative"] * (len(values) - 1) + ["total"], hovertext=hover,
-        hoverinfo="text", text=[f"{v:+.3f}" for v in values], textposition="outside",
-        connector=dict(line=dict(color="#bbbbbb")),
+        orientation="h", y=names, x=values, measure=["relative"] * (len(values) - 1) + ["total"], hovertext=hover,
+        hoverinfo="text", text=[f"{v:+.3f}" for v in values[:-1]] + [f"{d.total:.4f}"], textposition="outside",
+        cliponaxis=False, connector=dict(line=dict(color="#bbbbbb")),
         increasing=dict(marker=dict(color="#59a14f")), decreasing=dict(marker=dict(color="#e15759")),
         totals=dict(marker=dict(color="#4e79a7"))))
-    fig.update_layout(title=dict(text=f"logit of {d.token!r}: sum {d.total:.4f} = model logit {d.logit:.4f}",
-                                 font=dict(size=14)), showlegend=False, **_LAYOUT)
+    running = [sum(values[: i + 1]) for i in range(len(values) - 1)]
+    low, high = min(0.0, *running, d.logit), max(0.0, *running, d.logit)
+    pad = 0.18 * (high - low or 1.0)  # room for the values written outside the bars
+    fig.add_vline(x=d.logit, line=dict(color="black", dash="dot", width=1),
+                  annotation=dict(text=f"model logit {d.logit:.4f}", font=dict(size=11)),
+                  annotation_position="top")
+    fig.update_layout(title=dict(text=f"logit of {d.token!r} = residual + {len(slices)} slice(s) = {d.total:.4f}",
+                                 font=dict(size=14)), showlegend=False,
+                      yaxis=dict(autorange="reversed", automargin=True),
+                      xaxis=dict(range=[low - pad, high + pad], zeroline=True),
+                      **{**_LAYOUT, "height": 120 + 30 * len(names), "margin": dict(l=10, r=30, t=60, b=30)})
     return fig
 
 

@@ -497,9 +497,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             index = gr.Number(value=0, precision=0, label="Token index", scale=1)
                             decompose_btn = gr.Button("Explain token", scale=1, elem_id="explain")
                         token_md = gr.Markdown(elem_id="token-summary")
-                        with gr.Row():
-                            waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
-                            alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
+                        waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
+                        alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
                         active = gr.Dataframe(headers=ACTIVE_HEADERS, label="Active prototypes (click a row)",
                                               interactive=False, elem_id="active")
                         with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):

@@ -79,9 +79,11 @@ def test_decomposition_sums_to_the_real_logit(studio, interventions):
             assert set(view.chosen.removed_ids) == own & interventions.suppress
             assert bool(view.chosen.rerouted_ids) == bool(view.chosen.removed_ids)
             assert set(view.chosen.rerouted_ids) <= {s.prototype_id for s in view.chosen.slices} - own
-        # the chart shows the same slices: its relative bars add up to its total bar and to the logit
-        bars = plots.decomposition_figure(view.chosen).data[0].y
+        # the chart shows the same slices: its relative bars add up to its total bar and to the logit, the
+        # residual first and the slices from the largest contribution down
+        bars = plots.decomposition_figure(view.chosen).data[0].x
         assert close(sum(bars[:-1]), bars[-1]) and close(bars[-1], float(logits[position, view.chosen.token_id]))
+        assert close(bars[0], view.chosen.residual) and list(bars[1:-1]) == sorted(bars[1:-1], reverse=True)
         chart = plots.alternatives_figure(view)
         for row, d in enumerate(view.alternatives):
             stacked = sum(trace.x[row] for trace in chart.data if trace.type == "bar")
