@@ -2,7 +2,7 @@
 behaviour's rate, the continuations' fluency and the cost elsewhere, side by side on the same prompts and seeds.
 
     python -m bench.behaviour_removal --model assets/model --db assets/prism-default.duckdb --preset kjv-register
-    python -m bench.behaviour_removal --model assets/model --db assets/prism-default.duckdb --preset numbers
+    python -m bench.behaviour_removal --model assets/model --db DB --preset kjv-register,numbers  # DB holding both
 
 Prompts are the first --prompt-words words of a seeded choice of lines from held-out documents of the default
 corpus (documents the model never trained on): verses for the King James register, Wikipedia and news paragraphs
@@ -17,7 +17,7 @@ Wikipedia and news text, scored on the tokens that are not the preset's markers 
 and number words themselves are what is removed, so they are scored apart as "markers"); for the register also on
 held-out King James text (expected to rise).
 
-Prints one JSON line (also written to --out): per condition the rate, the judge's perplexity and the held-out
+Prints one JSON line per preset (also written to --out): per condition the rate, the judge's perplexity and the held-out
 perplexities; per mode their change against "before" and whether the goals are met (rate -70% or more, judge
 perplexity at most x1.5, other-text perplexity within 2%); how much of the model's own prototype activity on each
 held-out source the preset covers (active_share_*); the preset's size; and example continuations.
