@@ -9,16 +9,25 @@ taxonomy (schema.CATEGORIES: morphology, grammatical scaffolding, medical/bio, .
     label_score   AUROC of cos(label embedding, context embedding) separating the prototype's HELD-OUT evidence
                   contexts (odd ranks; the label is made from the even ranks only) from a seeded sample of other
                   prototypes' contexts: 0.5 = the label says nothing about the evidence, 1.0 = it singles it out
+    sibling_score AUROC of the same similarity separating the held-out evidence from the held-out evidence of the
+                  prototype's siblings only (prototypes whose evidence shares its tokens; precompute/contrast.py):
+                  does the label single it out among prototypes on the same tokens? NULL without siblings
     labeler       which labeler wrote it; explanation: why, in one or two sentences
 
+The siblings themselves, with a short "what separates them", go into `label_siblings`.
+
 Labelers share one small interface (`name`, `label(card) -> LabelResult`):
-    OfflineLabeler            the default: deterministic, no network; token rules + sentence-embedding similarity to
-                              written descriptions of each category
+    ContrastiveLabeler        the default ('offline', v2, precompute/contrast.py): deterministic, no network; names
+                              what sets a prototype apart from its siblings (words before and after, position,
+                              source and topic, distinctive context words, the promoted token); distinct labels
+    OfflineLabeler            'offline-v1': token rules + sentence-embedding similarity to written descriptions of
+                              each category (v2 takes its categories from it)
     OpenAICompatibleLabeler   any OpenAI-style /chat/completions endpoint (a local vLLM or llama.cpp server, ...)
     LocalInstructLabeler      a transformers instruct model in a local folder (never downloads)
 
 Usage:
     python -m precompute.labels --db out.duckdb
+    python -m precompute.labels --db out.duckdb --labeler offline-v1
     python -m precompute.labels --db out.duckdb --labeler openai --endpoint http://127.0.0.1:8000/v1 --llm-model qwen
     python -m precompute.labels --db out.duckdb --labeler local --llm-model path/to/instruct-model
 
@@ -925,6 +934,7 @@ class NegativePool:
 
     prototype_ids: np.ndarray  # (N,) whose evidence each context is
     vectors: np.ndarray  # (N, D)
+    ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (N,) their evidence ranks
 
 
 def negative_pool(con: duckdb.DuckDBPyConnection, n: int = N_NEGATIVES, seed: int = 0) -> NegativePool:
@@ -937,7 +947,8 @@ def negative_pool(con: duckdb.DuckDBPyConnection, n: int = N_NEGATIVES, seed: in
         [[int(i) for i in picks]]).fetchall()
     pairs = [(row[0], context) for row in rows if (context := _evidence(*row[1:])) is not None]
     vectors = embed([c.window() for _, c in pairs]) if pairs else np.zeros((0, EMBED_DIM), np.float32)  # (N, D)
-    return NegativePool(prototype_ids=np.array([pid for pid, _ in pairs], dtype=np.int64), vectors=vectors)
+    return NegativePool(prototype_ids=np.array([pid for pid, _ in pairs], dtype=np.int64), vectors=vectors,
+                        ranks=np.array([c.rank for _, c in pairs], dtype=np.int64))
 
 
 def score_labels(items: list[tuple[int, str, list[EvidenceContext]]], pool: NegativePool) -> list[float | None]:
@@ -959,8 +970,10 @@ def score_labels(items: list[tuple[int, str, list[EvidenceContext]]], pool: Nega
 # The job.
 
 
-def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: NegativePool) -> list[tuple]:
-    """Rows of `labels` for the cards: label the even-ranked evidence, score on the odd-ranked."""
+def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: NegativePool,
+                     context=None) -> list[tuple]:
+    """Rows of `labels` for the cards: label the even-ranked evidence, score on the odd-ranked. With a
+    precompute.contrast.ContrastContext the rows also carry sibling_score (columns: LABEL_COLUMNS)."""
     results, items = [], []
     for card in cards:
         train, held_out = card.split()
@@ -970,27 +983,40 @@ def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: Negativ
                                  f"{result.explanation}")
         results.append(result)
         items.append((card.prototype_id, result.label, held_out))
-    scores = score_labels(items, pool)
-    return [(card.prototype_id, r.category, r.label, s, labeler.name, r.explanation)
-            for card, r, s in zip(cards, results, scores, strict=True)]
+    if context is None:
+        scores = [(s, None) for s in score_labels(items, pool)]
+    else:
+        from precompute import contrast
+
+        scores = contrast.score_labels(context, pool, [(pid, label) for pid, label, _ in items])
+    return [(card.prototype_id, r.category, r.label, s, labeler.name, r.explanation, sib)
+            for card, r, (s, sib) in zip(cards, results, scores, strict=True)]
+
+
+LABEL_COLUMNS = ("prototype_id", "category", "label", "label_score", "labeler", "explanation", "sibling_score")
 
 
 def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrite: bool = False,
         batch_size: int = 64, seed: int = 0, n_negatives: int = N_NEGATIVES) -> int:
     """Label every prototype of prototype_stats; returns the number of rows written by this call.
 
-    Resumable (see the module docstring); 'done' with the same arguments writes nothing; other arguments raise
-    JobArgsMismatch unless overwrite. batch_size is the number of prototypes per transaction and not part of the
-    job's arguments (the rows do not depend on it).
+    Every labeler's rows get both held-out scores (label_score, sibling_score; precompute/contrast.py) and the
+    prototype's siblings go into label_siblings. Resumable (see the module docstring); 'done' with the same
+    arguments writes nothing; other arguments raise JobArgsMismatch unless overwrite. batch_size is the number of
+    prototypes per transaction and not part of the job's arguments (the rows do not depend on it).
     """
-    labeler = labeler or OfflineLabeler()
+    # contrast imports this module (cards, token rules, v1): imported here, not at the top, to keep one direction
+    from precompute import contrast
+
+    labeler = labeler or contrast.ContrastiveLabeler()
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not job_done(con, "evidence"):
         raise RuntimeError("the evidence job has not finished in this database: run it first")
     args = {"labeler": labeler.name, "labeler_model": getattr(labeler, "model_id", None), "embed_model": EMBED_MODEL,
             "seed": seed, "n_negatives": n_negatives, "window": [WINDOW_BEFORE, WINDOW_AFTER],
-            "evidence_run": job_run_id(con, "evidence")}
+            "evidence_run": job_run_id(con, "evidence"),
+            "siblings": {"n": contrast.N_SIBLINGS, "min_overlap": contrast.MIN_OVERLAP, "n_select": contrast.N_SELECT}}
     state = start_job(con, JOB, args, overwrite)
     if state == "done":
         logger.info("labels: already done with these arguments")
@@ -1000,15 +1026,23 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
     pool = negative_pool(con, n_negatives, seed)
     if hasattr(labeler, "prepare"):
         labeler.prepare(pool.vectors)
+    context = contrast.build_context(con, pool, seed)
+    if hasattr(labeler, "prepare_contrast"):
+        labeler.prepare_contrast(context)
     written = 0
+    insert = f"INSERT INTO labels ({', '.join(LABEL_COLUMNS)}) VALUES ({', '.join('?' * len(LABEL_COLUMNS))})"
     with tqdm(total=len(todo), desc="labels", unit="prototype") as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
-            rows = label_prototypes(load_cards(con, chunk), labeler, pool)
+            rows = label_prototypes(load_cards(con, chunk), labeler, pool, context)
+            siblings = [row for pid in chunk for row in contrast.separations(context, pid)]
 
-            def write(rows=rows, chunk=chunk) -> None:
+            def write(rows=rows, siblings=siblings, chunk=chunk) -> None:
                 con.execute("DELETE FROM labels WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
-                con.executemany("INSERT INTO labels VALUES (?, ?, ?, ?, ?, ?)", rows)
+                con.execute("DELETE FROM label_siblings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+                con.executemany(insert, rows)
+                if siblings:
+                    con.executemany("INSERT INTO label_siblings VALUES (?, ?, ?, ?, ?)", siblings)
 
             write_chunk(con, JOB, write, str(chunk[-1]))
             written += len(rows)
@@ -1021,8 +1055,13 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
 
 def make_labeler(kind: str, endpoint: str | None = None, model: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0) -> Labeler:
-    """The labeler the command line names: offline | openai (endpoint + model) | local (model folder)."""
+    """The labeler the command line names: offline (v2, contrastive) | offline-v1 | openai (endpoint + model) |
+    local (model folder)."""
     if kind == "offline":
+        from precompute.contrast import ContrastiveLabeler
+
+        return ContrastiveLabeler()
+    if kind == "offline-v1":
         return OfflineLabeler()
     if kind == "openai":
         if not endpoint or not model:
@@ -1032,13 +1071,13 @@ def make_labeler(kind: str, endpoint: str | None = None, model: str | None = Non
         if not model:
             raise ValueError("--labeler local needs --llm-model FOLDER (a local transformers model)")
         return LocalInstructLabeler(model)
-    raise ValueError(f"unknown labeler {kind!r}: offline, openai or local")
+    raise ValueError(f"unknown labeler {kind!r}: offline, offline-v1, openai or local")
 
 
 def category_mix(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int, float]]:
-    """(category, prototypes, mean label_score) from the labels table, largest first."""
-    return con.execute("SELECT category, count(*) AS n, avg(label_score) FROM labels GROUP BY category "
-                       "ORDER BY n DESC, category").fetchall()
+    """(category, prototypes, mean label_score, mean sibling_score) from the labels table, largest first."""
+    return con.execute("SELECT category, count(*) AS n, avg(label_score), avg(sibling_score) FROM labels "
+                       "GROUP BY category ORDER BY n DESC, category").fetchall()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1046,7 +1085,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--db", required=True, help="the precompute DuckDB file (with the evidence job done)")
     # which labeler
-    parser.add_argument("--labeler", choices=("offline", "openai", "local"), default="offline")
+    parser.add_argument("--labeler", choices=("offline", "offline-v1", "openai", "local"), default="offline",
+                        help="offline: v2, contrastive to the siblings (precompute/contrast.py); offline-v1: token "
+                             "rules only")
     parser.add_argument("--endpoint", help="openai: the API root, e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--llm-model", help="openai: the model name; local: the model folder")
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY",
@@ -1078,11 +1119,13 @@ def main(argv: list[str] | None = None) -> int:
             con.close()
     except (JobArgsMismatch, LabelerError, RuntimeError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    total = sum(n for _, n, _ in mix)
+    total = sum(n for _, n, _, _ in mix)
     print(f"labels: wrote {written} rows; {total} prototypes labelled")  # noqa: T201 - the command's output
-    for category, n, score in mix:
+    for category, n, score, sibling in mix:
         mean = f"{score:.3f}" if score is not None else "-"
-        print(f"  {category:<24} {n:>6} {n / total:6.1%}  mean label_score {mean}")  # noqa: T201
+        sib = f"{sibling:.3f}" if sibling is not None else "-"
+        print(f"  {category:<24} {n:>6} {n / total:6.1%}  mean label_score {mean}  "  # noqa: T201
+              f"sibling_score {sib}")
     return written
 
 

@@ -4,6 +4,7 @@
     card = prototype_card(con, 42)                  # label, category, stats, histogram, signature, neighbours
     rows = evidence(con, 42, limit=8)               # snippets with the token highlighted, source shown
     table = prototype_table(con, category="numbers/time", order_by="label_score")
+    sibs = siblings(con, 42)                        # prototypes on the same tokens, what separates them
 
 Parameterised SQL only. A pointer-only database (no document text) gets its text from the installed corpus
 packages, checked against the stored sha256; a mismatch is reported in the row instead of showing wrong text.
@@ -20,7 +21,8 @@ import duckdb
 from precompute.runs import connect
 
 ORDERINGS = {"activation_count": "activation_count DESC NULLS LAST", "label_score": "label_score DESC NULLS LAST",
-             "max_activation": "max_activation DESC NULLS LAST", "prototype_id": "prototype_id"}
+             "sibling_score": "sibling_score DESC NULLS LAST", "max_activation": "max_activation DESC NULLS LAST",
+             "prototype_id": "prototype_id"}
 
 
 class UnknownPrototype(KeyError):
@@ -53,12 +55,29 @@ def _check_id(con: duckdb.DuckDBPyConnection, prototype_id) -> int:
     return pid
 
 
+def _has_column(con: duckdb.DuckDBPyConnection, relation: str, column: str) -> bool:
+    """Whether a table or view has a column: databases made before a column existed still open (read-only)."""
+    names = [d[0] for d in con.execute(f"SELECT * FROM {relation} LIMIT 0").description]  # names from this module
+    return column in names
+
+
+def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [name]).fetchone()[0] > 0
+
+
+def _sibling_score_sql(con: duckdb.DuckDBPyConnection) -> str:
+    """sibling_score from the prototypes view, NULL in a database made before it (schema version 1)."""
+    return "sibling_score" if _has_column(con, "prototypes", "sibling_score") else "NULL::DOUBLE AS sibling_score"
+
+
 def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
-    """Everything a prototype card shows except the evidence snippets (see evidence())."""
+    """Everything a prototype card shows except the evidence snippets (see evidence()) and the siblings (see
+    siblings()). label_score and sibling_score are the label's two held-out AUROCs (precompute/labels.py)."""
     pid = _check_id(con, prototype_id)
-    cols = ["prototype_id", "label", "category", "label_score", "activation_count", "mean_activation",
-            "max_activation", "x", "y", "hist_edges", "hist_counts"]
+    cols = ["prototype_id", "label", "category", "label_score", _sibling_score_sql(con), "activation_count",
+            "mean_activation", "max_activation", "x", "y", "hist_edges", "hist_counts"]
     row = con.execute(f"SELECT {', '.join(cols)} FROM prototypes WHERE prototype_id = ?", [pid]).fetchone()
+    cols[4] = "sibling_score"
     card = dict(zip(cols, row))
     card["signature"] = _rows(con, "SELECT token_id, token, value FROM logit_signatures WHERE prototype_id = ? "
                                    "ORDER BY rank", [pid])
@@ -68,6 +87,33 @@ def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
                                   "FROM coactivations c LEFT JOIN labels l ON l.prototype_id = c.other_id "
                                   "WHERE c.prototype_id = ? ORDER BY c.rank", [pid])
     return card
+
+
+def siblings(con: duckdb.DuckDBPyConnection, prototype_id) -> list[dict]:
+    """The prototype's siblings (prototypes whose evidence shares its tokens; precompute/contrast.py), strongest
+    first: [{prototype_id, overlap, label, category, label_score, sibling_score, separation}, ...].
+
+    overlap is in (0, 1] (1 = the same token mix); separation is a short "what separates them", e.g.
+    "this: after 'of', in Bible verse (Numbers) · #12: before 'LORD'". A database made before the labels job wrote
+    label_siblings gets its siblings computed from the evidence, with separation None. Empty without siblings.
+    """
+    pid = _check_id(con, prototype_id)
+    sib = "l.sibling_score" if _has_column(con, "labels", "sibling_score") else "NULL::DOUBLE AS sibling_score"
+    if _has_table(con, "label_siblings"):
+        return _rows(con, f"""
+            SELECT s.sibling_id AS prototype_id, s.overlap, l.label, l.category, l.label_score, {sib}, s.separation
+            FROM label_siblings s LEFT JOIN labels l ON l.prototype_id = s.sibling_id
+            WHERE s.prototype_id = ? ORDER BY s.rank""", [pid])
+    from precompute.contrast import sibling_pairs
+
+    pairs = sibling_pairs(con, pid).get(pid, [])
+    out = []
+    for sid, overlap in pairs:
+        row = con.execute(f"SELECT l.label, l.category, l.label_score, {sib} FROM labels l WHERE l.prototype_id = ?",
+                          [sid]).fetchone() or (None, None, None, None)
+        out.append({"prototype_id": sid, "overlap": overlap, "label": row[0], "category": row[1],
+                    "label_score": row[2], "sibling_score": row[3], "separation": None})
+    return out
 
 
 def evidence(con: duckdb.DuckDBPyConnection, prototype_id, limit: int = 10, offset: int = 0) -> list[dict]:
@@ -151,13 +197,14 @@ def categories(con: duckdb.DuckDBPyConnection) -> list[dict]:
 
 def prototype_table(con: duckdb.DuckDBPyConnection, category: str | None = None,
                     order_by: str = "activation_count", limit: int = 10_000) -> list[dict]:
-    """Rows for the browser table: id, label, category, score and activation statistics."""
+    """Rows for the browser table: id, label, category, both label scores and activation statistics."""
     if order_by not in ORDERINGS:
         raise ValueError(f"order_by must be one of {', '.join(ORDERINGS)}, got {order_by!r}")
     where, params = ("WHERE category = ?", [category]) if category else ("", [])
     return _rows(con, f"""
-        SELECT prototype_id, label, category, label_score, activation_count, mean_activation, max_activation
-        FROM prototypes {where} ORDER BY {ORDERINGS[order_by]}, prototype_id LIMIT ?""", [*params, int(limit)])
+        SELECT * FROM (SELECT prototype_id, label, category, label_score, {_sibling_score_sql(con)},
+                              activation_count, mean_activation, max_activation FROM prototypes)
+        {where} ORDER BY {ORDERINGS[order_by]}, prototype_id LIMIT ?""", [*params, int(limit)])
 
 
 def map_points(con: duckdb.DuckDBPyConnection) -> list[dict]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import duckdb
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: labels.sibling_score and label_siblings (issue 14); create_all upgrades a version-1 file
 
 # job -> the tables it owns (cleared when the job is re-run with --overwrite)
 JOB_TABLES: dict[str, tuple[str, ...]] = {
     "evidence": ("documents", "evidence", "prototype_stats", "coactivations", "next_tokens", "logit_signatures"),
-    "labels": ("labels",),
+    "labels": ("labels", "label_siblings"),
     "search": ("embeddings",),
     "map": ("prototype_map",),
     "presets": ("presets",),
@@ -128,7 +128,19 @@ DDL = {
             label VARCHAR NOT NULL,           -- short specific role
             label_score DOUBLE,               -- how well the label separates held-out evidence from random (AUROC)
             labeler VARCHAR NOT NULL,
-            explanation VARCHAR
+            explanation VARCHAR,
+            sibling_score DOUBLE              -- the same AUROC against the siblings' held-out evidence only
+        )""",
+    # A prototype's siblings (precompute/contrast.py): prototypes whose evidence shares its tokens, strongest first,
+    # with what separates the two (the facts that lead in each).
+    "label_siblings": """
+        CREATE TABLE IF NOT EXISTS label_siblings (
+            prototype_id INTEGER NOT NULL,
+            rank INTEGER NOT NULL,
+            sibling_id INTEGER NOT NULL,
+            overlap DOUBLE NOT NULL,          -- sum over tokens of the smaller share of the two prototypes' evidence
+            separation VARCHAR NOT NULL,      -- e.g. "this: after 'of' · #12: before 'LORD'"
+            PRIMARY KEY (prototype_id, rank)
         )""",
     "embeddings": """
         CREATE TABLE IF NOT EXISTS embeddings (
@@ -213,8 +225,8 @@ CATEGORIES = (
 
 PROTOTYPES_VIEW = """
     CREATE OR REPLACE VIEW prototypes AS
-    SELECT s.prototype_id, l.label, l.category, l.label_score, s.activation_count, s.mean_activation,
-           s.max_activation, m.x, m.y, s.hist_edges, s.hist_counts
+    SELECT s.prototype_id, l.label, l.category, l.label_score, l.sibling_score, s.activation_count,
+           s.mean_activation, s.max_activation, m.x, m.y, s.hist_edges, s.hist_counts
     FROM prototype_stats s
     LEFT JOIN labels l USING (prototype_id)
     LEFT JOIN prototype_map m USING (prototype_id)
@@ -222,8 +234,10 @@ PROTOTYPES_VIEW = """
 
 
 def create_all(con: duckdb.DuckDBPyConnection) -> None:
-    """Create every table (if missing) and the prototypes view."""
+    """Create every table (if missing), upgrade older files in place, and (re)create the prototypes view."""
     for ddl in DDL.values():
         con.execute(ddl)
+    # version 1 -> 2: a labels table made before sibling_score (the column goes last, as in the DDL)
+    con.execute("ALTER TABLE labels ADD COLUMN IF NOT EXISTS sibling_score DOUBLE")
     con.execute(PROTOTYPES_VIEW)
     con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])

@@ -163,15 +163,26 @@ def build_evidence_db(path: Path, seed: int = 0, prototypes: dict | None = None,
     return path
 
 
+def _labelled(folder: Path, labeler=None) -> dict:
+    path = build_evidence_db(folder / "db.duckdb")
+    con = connect(path)
+    written = labels_job.run(con, labeler, batch_size=4)
+    rows = con.execute("SELECT * FROM labels ORDER BY prototype_id").fetchall()
+    siblings = con.execute("SELECT * FROM label_siblings ORDER BY prototype_id, rank").fetchall()
+    con.close()
+    return {"path": path, "written": written, "rows": rows, "siblings": siblings}
+
+
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
-    """The synthetic database after one offline labels run (batch_size 4, so several chunks)."""
-    path = build_evidence_db(tmp_path_factory.mktemp("labels") / "db.duckdb")
-    con = connect(path)
-    written = labels_job.run(con, batch_size=4)
-    rows = con.execute("SELECT * FROM labels ORDER BY prototype_id").fetchall()
-    con.close()
-    return {"path": path, "written": written, "rows": rows}
+    """The synthetic database after one run of the default labeler (v2; batch_size 4, so several chunks)."""
+    return _labelled(tmp_path_factory.mktemp("labels"))
+
+
+@pytest.fixture(scope="module")
+def labelled_v1(tmp_path_factory):
+    """The same after one run of the token-rule labeler (offline-v1)."""
+    return _labelled(tmp_path_factory.mktemp("labels-v1"), OfflineLabeler())
 
 
 def _table(path: Path) -> list[tuple]:
@@ -277,14 +288,16 @@ def test_contexts_without_document_text(tmp_path):
 # The offline labeler and the job.
 
 
-def test_offline_labels_are_valid_and_sensible(labelled):
+def test_offline_labels_are_valid_and_sensible(labelled_v1):
+    labelled = labelled_v1
     rows = {r[0]: r for r in labelled["rows"]}
     assert labelled["written"] == len(rows) == len(PROTOTYPES) + 1
-    for _pid, category, label, score, labeler, explanation in labelled["rows"]:
+    for _pid, category, label, score, labeler, explanation, sibling_score in labelled["rows"]:
         assert category in CATEGORIES
         assert label and len(label) <= labels_job.MAX_LABEL_CHARS and labeler == OfflineLabeler.name
         assert explanation
         assert score is None or 0.0 <= score <= 1.0
+        assert sibling_score is None or 0.0 <= sibling_score <= 1.0  # every labeler's rows get both scores
     for pid, category in EXPECTED.items():
         assert rows[pid][1] == category, (pid, rows[pid])
     assert "year" in rows[0][2]
@@ -293,8 +306,17 @@ def test_offline_labels_are_valid_and_sensible(labelled):
     assert rows[DEAD][3] is None  # no held-out evidence, no score
 
 
-def test_label_score_prefers_coherent_prototypes(labelled):
-    scores = {r[0]: r[3] for r in labelled["rows"]}
+def test_v2_labels_are_valid_distinct_and_keep_v1_categories(labelled, labelled_v1):
+    v1 = {r[0]: r for r in labelled_v1["rows"]}
+    for pid, category, label, score, labeler, explanation, _ in labelled["rows"]:
+        assert labeler == "offline-v2" and category == v1[pid][1] and explanation
+        assert label and len(label) <= labels_job.MAX_LABEL_CHARS and "mixed" not in label
+        assert score is None or score > 0.5
+    assert len({r[2] for r in labelled["rows"]}) == len(labelled["rows"])
+
+
+def test_label_score_prefers_coherent_prototypes(labelled_v1):
+    scores = {r[0]: r[3] for r in labelled_v1["rows"]}
     for coherent in (0, 1, 2, 4, 5, 7):  # 6 is the random mix
         assert scores[coherent] > scores[6] + 0.1, scores
         assert scores[coherent] > 0.85, scores
@@ -355,7 +377,10 @@ def test_sigkill_mid_chunk_then_resume_equals_an_uninterrupted_run(labelled, tmp
     written = labels_job.run(con, batch_size=1)  # resumes: same arguments, unfinished
     con.close()
     assert written == len(labelled["rows"]) - 3
-    assert _table(db) == labelled["rows"]
+    assert _table(db) == labelled["rows"]  # the default labeler (v2): labels, both scores
+    con = connect(db, read_only=True)
+    assert con.execute("SELECT * FROM label_siblings ORDER BY prototype_id, rank").fetchall() == labelled["siblings"]
+    con.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""The label goals of issue 14, measured on a precompute database: one JSON line.
+
+    python -m bench.label_goals --db assets/prism-default.duckdb
+    python -m bench.label_goals --db runs/before.duckdb --db runs/after.duckdb     # one line per database
+    python -m bench.label_goals --db assets/prism-default.duckdb --draw 10 --seed 0  # plus 10 drawn labels
+
+Over the live prototypes (activation_count > 0): the share with a label no other live prototype has (goal >= 95%),
+the share of catch-all labels ("mixed tokens" and the like, precompute.contrast.CATCH_ALL; goal <= 3%), the mean
+label_score (goal >= 0.85) and the mean sibling_score (goal >= 0.70; over the prototypes that have siblings, NULL
+in databases made before it existed). --draw adds seeded random labels with their top evidence pointers: the token
+(read from the installed corpus for a pointer-only database), the word before and after it, and the document id;
+never more of the corpus text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import duckdb
+
+from precompute.contrast import CATCH_ALL
+from precompute.labels import load_cards
+
+GOALS = {"distinct_share": (">=", 0.95), "catch_all_share": ("<=", 0.03), "mean_label_score": (">=", 0.85),
+         "mean_sibling_score": (">=", 0.70)}
+
+
+def measure(con: duckdb.DuckDBPyConnection) -> dict:
+    columns = {r[0] for r in con.execute("DESCRIBE labels").fetchall()}
+    sibling = "l.sibling_score" if "sibling_score" in columns else "NULL::DOUBLE"
+    rows = con.execute(f"""
+        SELECT l.prototype_id, l.label, l.label_score, {sibling}
+        FROM labels l JOIN prototype_stats s USING (prototype_id)
+        WHERE s.activation_count > 0 ORDER BY l.prototype_id""").fetchall()
+    counts: dict[str, int] = {}
+    for _, label, _, _ in rows:
+        counts[label] = counts.get(label, 0) + 1
+    live = len(rows)
+    scores = [r[2] for r in rows if r[2] is not None]
+    siblings = [r[3] for r in rows if r[3] is not None]
+    out = {
+        "live_prototypes": live,
+        "distinct_labels": len(counts),
+        "distinct_share": round(sum(1 for _, label, _, _ in rows if counts[label] == 1) / live, 4) if live else None,
+        "catch_all_share": round(sum(1 for _, label, _, _ in rows if CATCH_ALL.search(label)) / live, 4)
+        if live else None,
+        "mean_label_score": round(sum(scores) / len(scores), 4) if scores else None,
+        "mean_sibling_score": round(sum(siblings) / len(siblings), 4) if siblings else None,
+        "with_sibling_score": len(siblings),
+        "labeler": con.execute("SELECT min(labeler) FROM labels").fetchone()[0],
+    }
+    out["goals_met"] = {name: (out[name] is not None and (out[name] >= bound if op == ">=" else out[name] <= bound))
+                        for name, (op, bound) in GOALS.items()}
+    return out
+
+
+def _word(pieces: list[str], start: int, step: int) -> str:
+    i = start
+    while 0 <= i < len(pieces):
+        if pieces[i].strip():
+            return pieces[i].strip()
+        i += step
+    return ""
+
+
+def draw(con: duckdb.DuckDBPyConnection, n: int, seed: int) -> list[dict]:
+    """n seeded random live prototypes: label, scores and their top 3 evidence tokens with one word either side."""
+    ids = [r[0] for r in con.execute("SELECT prototype_id FROM prototype_stats WHERE activation_count > 0 "
+                                     "ORDER BY prototype_id").fetchall()]
+    picked = sorted(random.Random(seed).sample(ids, min(n, len(ids))))
+    columns = {r[0] for r in con.execute("DESCRIBE labels").fetchall()}
+    sibling = "sibling_score" if "sibling_score" in columns else "NULL"
+    out = []
+    for card in load_cards(con, picked):
+        label, score, sib = con.execute(f"SELECT label, label_score, {sibling} FROM labels WHERE prototype_id = ?",
+                                        [card.prototype_id]).fetchone()
+        evidence = [{"doc_id": e.doc_id, "before": _word(e.context_tokens, e.token_index - 1, -1),
+                     "token": e.context_tokens[e.token_index].strip() or "\\n",
+                     "after": _word(e.context_tokens, e.token_index + 1, 1)} for e in card.evidence[:3]]
+        out.append({"prototype_id": card.prototype_id, "label": label, "label_score": score, "sibling_score": sib,
+                    "evidence": evidence})
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m bench.label_goals", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", action="append", required=True, help="a precompute database (repeatable)")
+    parser.add_argument("--draw", type=int, default=0, help="also draw this many labels with their evidence")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    args = parser.parse_args(argv)
+    results = []
+    for path in args.db:
+        con = duckdb.connect(path, read_only=True)
+        try:
+            result = {"db": path, **measure(con)}
+            if args.draw:
+                result["drawn"] = draw(con, args.draw, args.seed)
+        finally:
+            con.close()
+        print(json.dumps(result))  # noqa: T201 - the command's output
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    main()
