@@ -3,6 +3,7 @@ the issue that ships them drops files into assets/ and nothing else changes.
 
     assets/model/          a PRISM checkpoint folder (config.json, model.safetensors, tokenizer files)
     assets/*.duckdb        the precompute database for that model (the first in name order is used)
+    assets/controllers/    fitted prototype controllers for that model, offered by name (file stem)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "assets"
 DEFAULT_MODEL = ASSETS / "model"
+CONTROLLERS = ASSETS / "controllers"
 
 
 class MissingModel(FileNotFoundError):
@@ -40,3 +42,8 @@ def resolve_db(path: str | Path | None, model_given: bool) -> Path | None:
         return None
     found = sorted(ASSETS.glob("*.duckdb"))
     return found[0] if found else None
+
+
+def shipped_controllers() -> dict[str, Path]:
+    """{name: file} of the shipped controllers (assets/controllers/NAME.safetensors), by name."""
+    return {p.stem: p for p in sorted(CONTROLLERS.glob("*.safetensors"))}

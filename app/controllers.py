@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.assets import shipped_controllers
 from app.core import AppError, Studio
 from prism.controllers import DenseController, PrototypeController, load_controller
 
@@ -36,6 +37,36 @@ def load(studio: Studio, path: str | Path | None) -> PrototypeController:
         raise AppError("this is the dense baseline (an edit of the hidden state, not of prototypes); only "
                        "prototype controllers can be switched on here")
     return controller
+
+
+def shipped(studio: Studio) -> dict[str, Path]:
+    """The shipped controllers that fit this studio's model ({name: file}): each is fitted to one prototype bank,
+    so with another model there are none."""
+    fits = {}
+    for name_, file in shipped_controllers().items():
+        try:
+            load(studio, file)
+        except AppError:
+            continue
+        fits[name_] = file
+    return fits
+
+
+def load_shipped(studio: Studio, name: str) -> PrototypeController:
+    files = shipped(studio)
+    if str(name) not in files:
+        raise AppError(f"no shipped controller {str(name)[:60]!r}; shipped for this model: "
+                       f"{', '.join(files) or 'none'}")
+    return load(studio, files[str(name)])
+
+
+def shipped_name(path: str | Path) -> str | None:
+    """The shipped name of a controller file, None when it is not one of the shipped files."""
+    try:
+        resolved = Path(str(path).strip()).resolve()
+    except OSError:
+        return None
+    return next((name for name, file in shipped_controllers().items() if file.resolve() == resolved), None)
 
 
 def name(controller: PrototypeController) -> str:

@@ -82,6 +82,7 @@ class Generation:
     prompt_text: str
     steps: list[Step] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. the prompt was truncated
+    finished: bool = False  # True once generation ended (end of text or max new tokens), False while streaming
     z: torch.Tensor | None = None  # (T, d) final states of prompt + tokens[:-1], computed on first selection
 
     @property
@@ -306,6 +307,7 @@ class Studio:
             token = int(step.token_ids[0])
             if token in self.stop_ids:  # end of text: stop there, and never show a special token as text
                 gen.notes.append(f"the model ended the text after {len(gen.steps)} token(s)")
+                gen.finished = True
                 yield gen
                 return
             rerouted: list[int] = []
@@ -320,6 +322,8 @@ class Studio:
             gen.steps.append(Step(token_id=token, text=self.tokenizer.decode([token]),
                                   prototype_ids=pids[order].tolist(), activations=acts[order].tolist(),
                                   logit=float(step.logits[0, token]), rerouted_ids=rerouted))
+            if len(gen.steps) == max_new:
+                gen.finished = True
             yield gen
 
     def generate(self, settings: GenerationSettings, interventions: Interventions | None = None) -> Generation:

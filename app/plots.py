@@ -4,6 +4,7 @@ prototype's logit signature and activation histogram, and the 2-D map. Pure func
 
 from __future__ import annotations
 
+import numpy as np
 import plotly.graph_objects as go
 
 from app.core import UNLABELLED, TokenDecomposition, TokenView
@@ -15,7 +16,9 @@ CATEGORY_COLORS = {c: _PALETTE[i % len(_PALETTE)] for i, c in enumerate(CATEGORI
 CATEGORY_COLORS[UNLABELLED] = "#c7c7c7"
 CATEGORY_COLORS["no prototype"] = "#eeeeee"
 RESIDUAL_COLOR = "#7f7f7f"
-_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), height=360)
+# White plot panels in both the light and the dark theme: the text stays dark on white, so it reads in either.
+_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), height=360, paper_bgcolor="white",
+               plot_bgcolor="white", font=dict(color="#222222"))
 
 
 def category_color(category: str | None) -> str:
@@ -58,30 +61,41 @@ def decomposition_figure(d: TokenDecomposition) -> go.Figure:
 
 
 def alternatives_figure(view: TokenView) -> go.Figure:
-    """One stacked bar per candidate token (residual + each prototype's slice, same colour per prototype across
-    tokens) and a diamond at its logit: why this token and not that one."""
-    tokens = [f"{a.token!r}" + (" ◀ chosen" if a.token_id == view.chosen.token_id else "")
-              for a in view.alternatives]
+    """The top tokens at the position, read like the waterfall: one horizontal bar per candidate (highest logit
+    first), built from the residual (grey, first) and one segment per active prototype (the same prototypes for
+    every candidate, in the order of their slice of the chosen token, one colour each); a diamond and its value
+    mark the exact sum, which is the candidate's logit."""
+    chosen = view.chosen.token_id
+    tokens = [f"{a.token!r}" + (" ◀ chosen" if a.token_id == chosen else "") for a in view.alternatives]
     fig = go.Figure()
-    fig.add_bar(y=tokens, x=[a.residual for a in view.alternatives], orientation="h", name="residual",
-                marker_color=RESIDUAL_COLOR)
-    seen: dict[int, int] = {}
+    fig.add_bar(y=tokens, x=[a.residual for a in view.alternatives], orientation="h", name="residual (W·r + b)",
+                marker_color=RESIDUAL_COLOR,
+                hovertext=[f"{t}: residual {a.residual:+.4f}" for t, a in zip(tokens, view.alternatives)],
+                hoverinfo="text")
+    order = [s.prototype_id for s in sorted(view.chosen.slices, key=lambda s: -s.contribution)]
     for a in view.alternatives:
-        for s in a.slices:
-            seen.setdefault(s.prototype_id, len(seen))
-    for pid, n in seen.items():
+        order += [s.prototype_id for s in a.slices if s.prototype_id not in order]
+    for n, pid in enumerate(order):
         values, label = [], ""
         for a in view.alternatives:
             match = [s for s in a.slices if s.prototype_id == pid]
             values.append(match[0].contribution if match else 0.0)
             label = label or (match[0].label if match else "")
         fig.add_bar(y=tokens, x=values, orientation="h", name=slice_name(pid, label),
-                    marker_color=_PALETTE[n % len(_PALETTE)])
-    fig.add_scatter(y=tokens, x=[a.logit for a in view.alternatives], mode="markers", name="logit (sum)",
-                    marker=dict(symbol="diamond", size=11, color="black"))
-    fig.update_layout(barmode="relative", title=dict(text="top tokens at this position", font=dict(size=14)),
-                      yaxis=dict(autorange="reversed"), legend=dict(font=dict(size=10), orientation="h", y=-0.15),
-                      **{**_LAYOUT, "height": 420})
+                    marker_color=_PALETTE[n % len(_PALETTE)], hoverinfo="text",
+                    hovertext=[f"{t}: #{pid} {label} {v:+.4f}" for t, v in zip(tokens, values)])
+    fig.add_scatter(y=tokens, x=[a.logit for a in view.alternatives], mode="markers+text", name="logit (= the sum)",
+                    marker=dict(symbol="diamond", size=12, color="black", line=dict(color="white", width=1)),
+                    text=[f"{a.logit:.3f}" for a in view.alternatives], textposition="middle right",
+                    cliponaxis=False, hoverinfo="text",
+                    hovertext=[f"{t}: logit {a.logit:.4f}" for t, a in zip(tokens, view.alternatives)])
+    fig.update_layout(barmode="relative",
+                      title=dict(text="top tokens at this position: residual + the same prototypes' slices",
+                                 font=dict(size=14)),
+                      yaxis=dict(autorange="reversed", automargin=True), xaxis=dict(zeroline=True),
+                      legend=dict(font=dict(size=11), orientation="h", yanchor="top", y=-0.12, x=0),
+                      **{**_LAYOUT, "height": 200 + 36 * len(tokens) + 22 * ((len(order) + 2) // 2),
+                         "margin": dict(l=10, r=60, t=50, b=20)})
     return fig
 
 
@@ -104,25 +118,46 @@ def histogram_figure(card: dict) -> go.Figure:
     return fig
 
 
+def _view_range(values: list[float], tail: float = 0.01, margin: float = 0.06) -> tuple[float, float]:
+    """The axis range that holds all but the outermost `tail` of points at either end (plus a margin): one far
+    outlier would otherwise squeeze every other point into a corner."""
+    lo, hi = (float(v) for v in np.quantile(np.asarray(values, dtype=float), [tail, 1 - tail]))
+    span = (hi - lo) or 1.0
+    return lo - margin * span, hi + margin * span
+
+
 def map_figure(points: list[dict], highlight: set[int] = frozenset()) -> go.Figure:
     """The prototypes on their 2-D map, one trace per category; customdata carries the prototype id so a click
-    can open its card."""
+    can open its card. Outliers are pinned to the edge of the view (drawn as open diamonds, their hover says so)
+    instead of squeezing the map."""
     fig = go.Figure()
+    if not points:
+        return empty_figure("no map in this database (python -m precompute.map)")
+    (x0, x1), (y0, y1) = _view_range([p["x"] for p in points]), _view_range([p["y"] for p in points])
     by_category: dict[str, list[dict]] = {}
     for p in points:
         by_category.setdefault(p["category"] or UNLABELLED, []).append(p)
+    inside = lambda r: x0 <= r["x"] <= x1 and y0 <= r["y"] <= y1  # noqa: E731
+    trace = fig.add_scattergl if len(points) > 4000 else fig.add_scatter  # SVG unless too many points
+    hover = lambda r, note="": (f"#{r['prototype_id']} {r['label'] or ''}<br>{r['category'] or UNLABELLED}<br>"  # noqa: E731
+                                f"{r['activation_count'] or 0} tokens{note}")
     for category, rows in sorted(by_category.items()):
-        trace = fig.add_scattergl if len(points) > 4000 else fig.add_scatter  # SVG unless too many points
-        trace(
-            x=[r["x"] for r in rows], y=[r["y"] for r in rows], mode="markers", name=category,
-            customdata=[r["prototype_id"] for r in rows],
-            text=[f"#{r['prototype_id']} {r['label'] or ''}<br>{category}<br>{r['activation_count'] or 0} tokens"
-                  for r in rows],
-            hoverinfo="text",
-            marker=dict(color=category_color(category), size=[12 if r["prototype_id"] in highlight else 7
-                                                               for r in rows], line=dict(width=0.5, color="white")))
+        rows = [r for r in rows if inside(r)]
+        trace(x=[r["x"] for r in rows], y=[r["y"] for r in rows], mode="markers", name=category,
+              customdata=[r["prototype_id"] for r in rows], text=[hover(r) for r in rows], hoverinfo="text",
+              marker=dict(color=category_color(category), line=dict(width=0.5, color="white"),
+                          size=[12 if r["prototype_id"] in highlight else 7 for r in rows]))
+    pinned = [p for p in points if not inside(p)]
+    if pinned:
+        trace(x=[min(max(r["x"], x0), x1) for r in pinned], y=[min(max(r["y"], y0), y1) for r in pinned],
+              mode="markers", name=f"outliers, pinned to the edge ({len(pinned)})",
+              customdata=[r["prototype_id"] for r in pinned],
+              text=[hover(r, "<br>(an outlier: pinned to the edge of the map)") for r in pinned], hoverinfo="text",
+              marker=dict(symbol="diamond-open", size=9, line=dict(width=1.5),
+                          color=[category_color(r["category"]) for r in pinned]))
     fig.update_layout(title=dict(text="prototype map (click a point to open its card)", font=dict(size=14)),
-                      xaxis=dict(visible=False), yaxis=dict(visible=False), **{**_LAYOUT, "height": 480})
+                      xaxis=dict(visible=False, range=[x0, x1]), yaxis=dict(visible=False, range=[y0, y1]),
+                      **{**_LAYOUT, "height": 480})
     return fig
 
 

@@ -75,19 +75,29 @@ class Session:
     selected: tuple[str, int] | None = None  # ("original" | "intervened", token index)
     controller: ActivationController | None = None  # a loaded prototype controller (app/controllers.py)
     controller_on: bool = False  # whether the intervened text uses it
+    controller_name: str | None = None  # its shipped name (app/controllers.py SHIPPED), None for other files
     suppress_mode: str = DEFAULT_SUPPRESS_MODE  # how every suppression of this session acts (SUPPRESS_MODE_NAMES)
 
     def add(self, item: InterventionItem) -> Session:
         return replace(self, items=(*self.items, item))
 
+    @property
+    def n_rows(self) -> int:
+        """Rows of the intervention list: the items, then the loaded controller (on or off) as the last row."""
+        return len(self.items) + (self.controller is not None)
+
     def remove(self, index: int) -> Session:
+        """Without row `index`: an item, or the controller when it is the controller's row."""
         index = int(index)
-        if not 0 <= index < len(self.items):
-            raise ValueError(f"there is no intervention #{index}: the list has {len(self.items)}")
+        if not 0 <= index < self.n_rows:
+            raise ValueError(f"there is no intervention #{index}: the list has {self.n_rows}")
+        if index == len(self.items):
+            return replace(self, controller=None, controller_on=False, controller_name=None)
         return replace(self, items=self.items[:index] + self.items[index + 1:])
 
     def clear(self) -> Session:
-        return replace(self, items=())
+        """No interventions: no items and no controller (how suppressions act is a setting and stays)."""
+        return replace(self, items=(), controller=None, controller_on=False, controller_name=None)
 
     def with_suppress_mode(self, mode: str) -> Session:
         """The same session with its suppressions re-routed ("reroute") or removed ("zero"); a mode's display
@@ -116,6 +126,34 @@ class Session:
                              suppress_mode=self.suppress_mode)
 
     def rows(self) -> list[list]:
-        """The intervention list as table rows: index, what, prototype ids."""
-        return [[n, item.describe(), ", ".join(str(i) for i in item.prototype_ids[:20])
-                 + (" ..." if len(item.prototype_ids) > 20 else "")] for n, item in enumerate(self.items)]
+        """The intervention list as table rows: index, what, prototype ids; a loaded controller is the last row."""
+        rows = [[n, item.describe(), _ids(item.prototype_ids)] for n, item in enumerate(self.items)]
+        if self.controller is not None:
+            moved = self.controller.moved()
+            rows.append([len(self.items), f"controller {self.controller_title()} "
+                         f"({'on' if self.controller_on else 'loaded, off'}; reweights {len(moved)} prototype(s))",
+                         _ids(moved)])
+        return rows
+
+    def controller_title(self) -> str:
+        if self.controller is None:
+            return ""
+        return self.controller_name or str(self.controller.meta.get("task") or "from a file")
+
+    def applied(self) -> str:
+        """What the intervened text applies, in a few words (the column title): '' when nothing."""
+        iv = self.interventions()
+        parts = []
+        if iv.suppress:
+            how = "re-routed" if self.suppress_mode == "reroute" else "slices removed"
+            parts.append(f"{len(iv.suppress)} suppressed ({how})")
+        if iv.scale:
+            parts.append(f"{len(iv.scale)} scaled")
+        if iv.controller is not None:
+            parts.append(f"controller {self.controller_title()}")
+        return ", ".join(parts)
+
+
+def _ids(ids) -> str:
+    ids = [int(i) for i in ids]
+    return ", ".join(str(i) for i in ids[:20]) + (" ..." if len(ids) > 20 else "")

@@ -18,11 +18,12 @@ import json
 import logging
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import gradio as gr
 
 from app import controllers as app_controllers
-from app import plots
+from app import export, plots, share
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
 from app.core import (
@@ -95,19 +96,23 @@ def _interventions_table(session: Session) -> list[list]:
 def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
              session: Session):
     """Stream the original continuation and, when the session has interventions, the intervened one beside it
-    (same settings and seed). Yields (original, intervened, status, session, result)."""
+    (same settings and seed). Yields (original, intervened, status, intervened column title, session, result): the
+    session already holds the growing texts, so a token can be explained while the rest is written, and a Stop
+    keeps what was written so far."""
     try:
         settings = GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
                                       temperature=float(temperature or 0), top_p=float(top_p or 1.0),
                                       seed=int(seed or 0))
         interventions = session.interventions()
-        reuse = session.original is not None and session.original.settings == settings
+        reuse = session.original is not None and session.original.finished and \
+            session.original.settings == settings
         streams = []
         if not reuse:
             streams.append(("original", studio.stream(settings)))
         if not interventions.is_empty:
             streams.append(("intervened", studio.stream(settings, interventions)))
         current = {"original": session.original if reuse else None, "intervened": None}
+        column = _intervened_column(session if not interventions.is_empty else None)
         active = list(streams)
         while active:
             for name, stream in list(active):
@@ -117,21 +122,47 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
                     continue
                 current[name] = gen
             status = _generation_status(studio, current)
+            session = replace(session, original=current["original"], intervened=current["intervened"],
+                              selected=None)
             yield (_highlights(studio, current["original"]), _highlights(studio, current["intervened"]), status,
-                   session, None)
+                   column, session, None)
     except AppError as err:
-        yield [], [], _problem(err), session, None
+        yield [], [], _problem(err), INTERVENED_TITLE, session, None
         return
     original, intervened = current["original"], current["intervened"]
     if original is None:  # nothing to stream: the stored original is reused and there are no interventions
         original = session.original
     diff = side_by_side(original, intervened) if intervened is not None else None
     session = replace(session, original=original, intervened=intervened, selected=None)
-    result = {"original": _generation_json(original), "intervened": _generation_json(intervened),
-              "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
     yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True), session,
-           result)
+           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True), column,
+           session, _result(original, intervened, diff))
+
+
+def _result(original: Generation | None, intervened: Generation | None, diff=None) -> dict:
+    """What /generate returns as data: both texts with their tokens and the per-token comparison."""
+    return {"original": _generation_json(original), "intervened": _generation_json(intervened),
+            "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
+
+
+INTERVENED_TITLE = "**With your interventions** (same seed; add some on the right)"
+
+
+def _intervened_column(session: Session | None) -> str:
+    """The right column's title names what the intervened text applies."""
+    applied = session.applied() if session is not None else ""
+    return f"**With: {html.escape(applied)}** (same seed)" if applied else INTERVENED_TITLE
+
+
+def stopped(studio: Studio, session: Session):
+    """After Stop: what was written stays, and the status says so. Returns (status, result)."""
+    current = {"original": session.original, "intervened": session.intervened}
+    if current["original"] is None and current["intervened"] is None:
+        return "Stopped before the first token.", None
+    counts = " and ".join(f"{len(g.steps)} {name}" for name, g in current.items() if g is not None)
+    diff = side_by_side(session.original, session.intervened) if session.original and session.intervened else None
+    return (f"⏹ Stopped after {counts} token(s). Click a token to explain it; Generate writes the text again.",
+            _result(session.original, session.intervened, diff))
 
 
 def _generation_status(studio: Studio, current: dict, diff=None, done: bool = False) -> str:
@@ -394,21 +425,23 @@ def list_interventions(session: Session):
     return _interventions_table(session), session.interventions().__repr__()
 
 
-def controller(studio: Studio, path: str, upload, enabled: bool, session: Session):
-    """Load a fitted prototype controller (a server path or an upload) into this session, switch it on or off
-    for the intervened text, and list the prototypes it raises and lowers most. Returns (session, rows, status,
-    description)."""
+def controller(studio: Studio, path: str, upload, enabled: bool, session: Session, shipped: str | None = None):
+    """Load a fitted prototype controller (a shipped one by name, a server path or an upload) into this session,
+    switch it on or off for the intervened text, and list the prototypes it raises and lowers most. Returns
+    (session, rows, status, description)."""
     try:
-        source = upload or (path or "").strip()
-        loaded = session.controller
-        if source:
-            loaded = app_controllers.load(studio, source)
+        loaded, name = session.controller, session.controller_name
+        if upload or (path or "").strip():
+            loaded = app_controllers.load(studio, upload or path.strip())
+            name = app_controllers.shipped_name(upload or path.strip())
+        elif shipped:
+            loaded, name = app_controllers.load_shipped(studio, shipped), str(shipped)
         if loaded is None:
-            raise AppError("no controller loaded: give a path or upload a file written by "
+            raise AppError("no controller loaded: pick a shipped one, give a path or upload a file written by "
                            "`python -m prism.controllers fit`")
     except AppError as err:
         return session, [], _problem(err), None
-    session = replace(session, controller=loaded, controller_on=bool(enabled))
+    session = replace(session, controller=loaded, controller_on=bool(enabled), controller_name=name)
     view = app_controllers.describe(studio, loaded)
     state = "on: generate again to compare" if enabled else "loaded, off (tick the box to use it)"
     return session, app_controllers.table_rows(view), _ok(f"controller {view['name']} {state}"), view
@@ -417,6 +450,123 @@ def controller(studio: Studio, path: str, upload, enabled: bool, session: Sessio
 def pick_controller_row(evt: gr.SelectData):
     """A click on a row of the controller table -> its prototype id (to open the card)."""
     return evt.row_value[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Handlers: links, exports and imports (app/share.py, app/export.py).
+
+
+def _base_url(request: gr.Request | None) -> str:
+    """The page's address as the browser (or the proxy in front of the app) sees it."""
+    headers = {k.lower(): v for k, v in dict(getattr(request, "headers", None) or {}).items()}
+    host = headers.get("x-forwarded-host") or headers.get("host") or "127.0.0.1:7860"
+    scheme = headers.get("x-forwarded-proto") or ("https" if host.endswith(".hf.space") else "http")
+    return f"{scheme.split(',')[0].strip()}://{host.split(',')[0].strip()}/"
+
+
+def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
+               run: str, token: dict | None, session: Session, request: gr.Request = None):
+    """A URL restoring the prompt, settings, seed, interventions and the explained token. Returns (url, status)."""
+    try:
+        settings = GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
+                                      temperature=float(temperature or 0), top_p=float(top_p or 1.0),
+                                      seed=int(seed or 0))
+        studio.encode_prompt(settings)  # the same checks as Generate: a link always restores something usable
+        selected = (run, int(token["index"])) if token and run in RUNS else None
+        url = f"{_base_url(request)}?{share.PARAM}={share.encode_link(studio, settings, session, selected)}"
+    except (AppError, TypeError, ValueError) as err:
+        return "", _problem(err)
+    notes = [] if session.controller is None or session.controller_name else [
+        " The loaded controller is not a shipped one, so the link leaves it out."]
+    return url, _ok("Link copied (also shown here): opening it restores the prompt, settings, interventions"
+                    + (" and the explained token" if selected else "") + " and generates again." + "".join(notes))
+
+
+def restore_link(studio: Studio, session: Session, request: gr.Request = None):
+    """On page load with ?state=...: fill the settings and interventions from the link (or say why it cannot be
+    used, and apply nothing). Returns (prompt, max new, temperature, top-p, seed, session, interventions rows,
+    intervention status, suppress mode, pending restore, generation status)."""
+    token = dict(getattr(request, "query_params", None) or {}).get(share.PARAM)
+    skip = tuple(gr.skip() for _ in range(11))
+    if not token:
+        return skip
+    try:
+        link = share.decode_link(studio, token)
+    except AppError as err:
+        return (*skip[:9], None, _problem(f"This link cannot be used: {err}. Nothing from it was applied."))
+    s = link.settings
+    restored = replace(link.session, original=None, intervened=None, selected=None)
+    pending = {"selected": list(link.selected) if link.selected else None}
+    return (s.prompt, s.max_new_tokens, s.temperature, s.top_p, s.seed, restored, restored.rows(),
+            _ok(f"restored {restored.n_rows} intervention(s) from the link"), restored.suppress_mode, pending,
+            "Restoring a shared link: generating…")
+
+
+def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_tokens, temperature, top_p, seed,
+                     session: Session):
+    """Generate after a restored link; nothing (skips) otherwise."""
+    if not pending:
+        yield tuple(gr.skip() for _ in range(6))
+        return
+    yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session)
+
+
+def select_pending(studio: Studio, pending: dict | None, session: Session):
+    """Explain the token a restored link selected, and open its top prototype's card; nothing otherwise. Returns
+    (run, index, the decompose outputs, the card outputs)."""
+    selected = (pending or {}).get("selected")
+    if not selected:
+        return tuple(gr.skip() for _ in range(2 + 7 + 5))
+    run, index = selected
+    outputs = decompose(studio, run, index, session)
+    return (run, index, *outputs, *prototype(studio, outputs[4]))
+
+
+def _export(make, *args):
+    try:
+        path = make(*args)
+    except AppError as err:
+        return None, _problem(err)
+    return path, _ok(f"ready: {Path(path).name} (download below)")
+
+
+def export_generation(studio: Studio, session: Session):
+    """Both texts with every token's decomposition, as JSON. Returns (file, status)."""
+    return _export(export.export_generation, studio, session)
+
+
+def export_interventions(studio: Studio, session: Session):
+    """The interventions as JSON (Import reads it back). Returns (file, status)."""
+    return _export(export.export_interventions, studio, session)
+
+
+def export_table(studio: Studio):
+    """Every prototype with its label, category, scores and stats, as CSV. Returns (file, status)."""
+    return _export(export.export_table, studio)
+
+
+def export_evidence(studio: Studio, prototype_id):
+    """One prototype's evidence rows as CSV. Returns (file, status)."""
+    return _export(export.export_evidence, studio, prototype_id)
+
+
+def import_interventions(studio: Studio, upload, session: Session):
+    """Replace the session's interventions with those of an exported file. Returns (session, rows, status, mode)."""
+    try:
+        if not upload:
+            raise AppError("choose an interventions file (Export interventions writes one)")
+        path = Path(upload if isinstance(upload, str) else getattr(upload, "name", ""))
+        if path.stat().st_size > share.MAX_JSON_BYTES:
+            raise AppError("this file is too large to be an interventions file")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise AppError(f"this file is not JSON ({err})") from None
+        session = share.import_interventions(studio, data, session)
+    except (AppError, OSError) as err:
+        return session, _interventions_table(session), _problem(err), gr.skip()
+    return session, _interventions_table(session), _ok(f"imported {session.n_rows} intervention(s). Generate again "
+                                                       "to compare."), session.suppress_mode
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -484,14 +634,32 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                                                         elem_id="temperature")
                                 top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p")
                                 seed = gr.Number(value=0, precision=0, label="Seed", elem_id="seed")
-                        generate_btn = gr.Button("Generate", variant="primary", elem_id="generate")
-                        gen_status = gr.Markdown(elem_id="gen-status")
                         with gr.Row():
-                            original = gr.HighlightedText(label="Original", color_map=color_map, show_legend=True,
-                                                          show_inline_category=False, elem_id="original")
-                            intervened = gr.HighlightedText(label="With your interventions (same seed)",
-                                                            color_map=color_map, show_legend=True,
-                                                            show_inline_category=False, elem_id="intervened")
+                            generate_btn = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
+                        gen_status = gr.Markdown(elem_id="gen-status")
+                        with gr.Row(equal_height=False):
+                            with gr.Column():
+                                gr.Markdown("**Original** (no interventions)", elem_id="original-title")
+                                original = gr.HighlightedText(label="Original", color_map=color_map,
+                                                              show_legend=True, show_label=False,
+                                                              show_inline_category=False, elem_id="original")
+                            with gr.Column():
+                                intervened_title = gr.Markdown(INTERVENED_TITLE, elem_id="intervened-title")
+                                intervened = gr.HighlightedText(label="Intervened", color_map=color_map,
+                                                                show_legend=False, show_label=False,
+                                                                show_inline_category=False, elem_id="intervened")
+                        with gr.Row(elem_id="share-row"):
+                            link_btn = gr.Button("Copy link", size="sm", elem_id="copy-link")
+                            export_gen_btn = gr.Button("Export generation (JSON)", size="sm", elem_id="export-gen")
+                            export_iv_btn = gr.Button("Export interventions (JSON)", size="sm", elem_id="export-iv")
+                            import_iv_btn = gr.UploadButton("Import interventions", size="sm", file_types=[".json"],
+                                                            type="filepath", elem_id="import-iv")
+                        share_status = gr.Markdown(elem_id="share-status")
+                        link_box = gr.Textbox(label="Link to this state", visible=True, interactive=False,
+                                              buttons=["copy"], elem_id="link", max_lines=1)
+                        export_file = gr.File(label="Download", interactive=False, elem_id="export-file",
+                                              height=80)
                         with gr.Row():
                             run = gr.Radio(list(RUNS), value="original", label="Text", scale=1)
                             index = gr.Number(value=0, precision=0, label="Token index", scale=1)
@@ -515,7 +683,11 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             mode = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
                             category = gr.Dropdown(["all", *categories], value="all", label="Category", scale=1)
                             order = gr.Dropdown(list(ORDERINGS), value="activation count", label="Sort by", scale=1)
-                        search_btn = gr.Button("Search", variant="primary", elem_id="search")
+                        with gr.Row():
+                            search_btn = gr.Button("Search", variant="primary", elem_id="search", scale=3)
+                            export_table_btn = gr.Button("Export all prototypes (CSV)", scale=1,
+                                                         elem_id="export-table")
+                        table_file = gr.File(label="Download", interactive=False, elem_id="table-file", height=80)
                         search_status = gr.Markdown(elem_id="search-status")
                         table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, label="Prototypes (click a "
                                              "row)", elem_id="table", max_height=360)
@@ -531,6 +703,10 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                     scale_btn = gr.Button("Scale", elem_id="scale")
                 card_md = gr.Markdown(elem_id="card")
                 evidence = gr.HTML(elem_id="evidence")
+                with gr.Row():
+                    export_ev_btn = gr.Button("Export this prototype's evidence (CSV)", size="sm",
+                                              elem_id="export-evidence")
+                evidence_file = gr.File(label="Download", interactive=False, elem_id="evidence-file", height=80)
                 signature = gr.Plot(label="Logit signature")
                 histogram = gr.Plot(label="Activation histogram")
                 card_json = gr.JSON(visible=False)
@@ -564,7 +740,12 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 with gr.Accordion("Controller", open=False, elem_id="controller-panel"):
                     gr.Markdown("A fitted controller reweights prototypes wherever they are active "
                                 "(`python -m prism.controllers fit`). Load one, see what it moves, switch it on.")
-                    ctl_path = gr.Textbox(label="Controller file on the server (.safetensors)", elem_id="ctl-path")
+                    shipped = list(app_controllers.shipped(studio))
+                    ctl_shipped = gr.Dropdown(shipped, value=shipped[0] if shipped else None,
+                                              label="Shipped controller", elem_id="ctl-shipped",
+                                              info=None if shipped else "none shipped for this model")
+                    ctl_path = gr.Textbox(label="or a controller file on the server (.safetensors)",
+                                          elem_id="ctl-path")
                     ctl_upload = gr.File(label="or upload one", file_types=[".safetensors"], type="filepath",
                                          elem_id="ctl-upload")
                     ctl_on = gr.Checkbox(value=True, label="Use it for the intervened text", elem_id="ctl-on")
@@ -578,9 +759,12 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         iv_outputs = [session, iv_table, iv_status]
         generate_btn.click(clear_explanation, None, [waterfall, alternatives, token_md, active, token_json,
                                                      attribution_html, attribution_json], api_name=False)
-        generate_btn.click(partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session],
-                           [original, intervened, gen_status, session, result_json], api_name="generate",
-                           concurrency_limit=concurrency, concurrency_id="model")
+        generating = generate_btn.click(
+            partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session],
+            [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate",
+            concurrency_limit=concurrency, concurrency_id="model")
+        stop_btn.click(partial(stopped, studio), [session], [gen_status, result_json], cancels=[generating],
+                       api_name=False)
         token_outputs = [waterfall, alternatives, token_md, active, proto_id, session, token_json]
         decompose_btn.click(partial(decompose, studio), [run, index, session], token_outputs, api_name="decompose",
                             concurrency_limit=concurrency, concurrency_id="model").then(
@@ -614,8 +798,9 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         clear_btn.click(clear_interventions, [session], iv_outputs, api_name="clear_interventions")
         iv_refresh = gr.Button(visible=False)
         iv_refresh.click(list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
-        ctl_btn.click(partial(controller, studio), [ctl_path, ctl_upload, ctl_on, session],
-                      [session, ctl_table, ctl_status, ctl_json], api_name="controller")
+        ctl_btn.click(partial(controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
+                      [session, ctl_table, ctl_status, ctl_json], api_name="controller").then(
+            list_interventions, [session], [iv_table, iv_repr], api_name=False)
         ctl_table.select(pick_controller_row, None, [proto_id], api_name=False).then(
             partial(prototype, studio), [proto_id], card_outputs, api_name=False)
 
@@ -625,6 +810,31 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             api_name="attribute", concurrency_limit=concurrency, concurrency_id="model")
         token_json.change(partial(refresh_attribution, studio), [token_json, run, index, session],
                           attribution_outputs, api_name=False)
+
+        # Links, exports, imports.
+        settings_inputs = [prompt, max_new, temperature, top_p, seed]
+        link_btn.click(partial(share_link, studio), [*settings_inputs, run, token_json, session],
+                       [link_box, share_status], api_name="link").then(
+            None, [link_box], None, api_name=False,
+            js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }")
+        export_gen_btn.click(partial(export_generation, studio), [session], [export_file, share_status],
+                             api_name="export_generation", concurrency_limit=concurrency, concurrency_id="model")
+        export_iv_btn.click(partial(export_interventions, studio), [session], [export_file, share_status],
+                            api_name="export_interventions")
+        import_iv_btn.upload(partial(import_interventions, studio), [import_iv_btn, session],
+                             [session, iv_table, iv_status, iv_suppress_mode], api_name="import_interventions")
+        export_table_btn.click(partial(export_table, studio), None, [table_file, search_status],
+                               api_name="export_table")
+        export_ev_btn.click(partial(export_evidence, studio), [proto_id], [evidence_file, iv_status],
+                            api_name="export_evidence")
+        pending = gr.State(None)
+        demo.load(partial(restore_link, studio), [session],
+                  [*settings_inputs, session, iv_table, iv_status, iv_suppress_mode, pending, gen_status],
+                  api_name=False).then(
+            partial(generate_pending, studio), [pending, *settings_inputs, session],
+            [original, intervened, gen_status, intervened_title, session, result_json], api_name=False).then(
+            partial(select_pending, studio), [pending, session], [run, index, *token_outputs, *card_outputs],
+            api_name=False)
 
         demo.load(partial(map_plot, studio), None, [proto_map], api_name="map").then(
             partial(search, studio), [query_box, mode, category, order], [table, search_status], api_name=False)

@@ -53,7 +53,7 @@ def test_eight_sessions_do_not_see_each_other(assets):
             barrier.wait(timeout=60)
             for api_name, args in calls:
                 client.predict(*args, api_name=api_name)
-            _, _, status, result = client.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
+            _, _, status, _, result = client.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
             rows, described = client.predict(api_name="/interventions")
             token = client.predict("intervened", 0, api_name="/decompose")
             results[n] = (result, rows, described, token, interventions)

@@ -113,8 +113,8 @@ def test_controller_endpoint_over_http(assets, controller_file):
         client = gradio_client.Client(url, verbose=False)
         rows, status, view = client.predict(str(path), None, True, api_name="/controller")
         assert "⚠️" not in status and view["moved"] == 4 and len(rows["data"]) == 4
-        _, _, _, result = client.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
+        *_, result = client.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
         assert [t["token_id"] for t in result["intervened"]["tokens"]] == expected
         other = gradio_client.Client(url, verbose=False)  # another session: no controller
-        _, _, _, plain = other.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
+        *_, plain = other.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
         assert plain["intervened"] is None

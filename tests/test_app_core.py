@@ -288,10 +288,16 @@ def test_bad_input_gets_a_message(studio):
 
 def test_generate_and_decompose_handlers(studio):
     session = Session().add(suppress_item(_changing_prototype(studio, GenerationSettings(PROMPT, 6))))
-    outputs = list(ui.generate(studio, PROMPT, 6, 0, 1, 0, session))
+    outputs, seen = [], []
+    for out in ui.generate(studio, PROMPT, 6, 0, 1, 0, session):
+        outputs.append(out)
+        # while streaming, the session already holds the growing texts (a token can be explained before the end)
+        seen.append((len(out[0]), len(out[4].original.steps) if out[4].original else 0))
     assert len(outputs) >= 6  # streamed: one update per step at least
-    original, intervened, status, session, result = outputs[-1]
+    assert all(chips == held for chips, held in seen) and [c for c, _ in seen][:3] == [1, 2, 3]
+    original, intervened, status, title, session, result = outputs[-1]
     assert len(original) == 6 and any(label == ui.CHANGED for _, label in intervened)
+    assert "1 suppressed (re-routed)" in title  # the column says what was applied
     assert result["first_change"] is not None and "changed" in status
     fig, alt, summary, rows, top, session, data = ui.decompose(studio, "intervened", result["first_change"], session)
     assert data["why_changed"]["flip_set"] and close(data["chosen"]["sum"], data["chosen"]["logit"])
@@ -300,7 +306,8 @@ def test_generate_and_decompose_handlers(studio):
     assert card["prototype_id"] == top and "outline" in evidence  # the evidence token is highlighted
     # the stored original is reused when only the interventions change
     again = list(ui.generate(studio, PROMPT, 6, 0, 1, 0, session.clear()))
-    assert again[-1][3].original is session.original and again[-1][3].intervened is None
+    assert again[-1][4].original is session.original and again[-1][4].intervened is None
+    assert again[-1][3] == ui.INTERVENED_TITLE
 
 
 def test_without_a_database(bare, tmp_path, tmp_path_factory):
