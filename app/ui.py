@@ -229,9 +229,11 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
 
 def clear_explanation():
     """A new generation empties the explanation panel: it described a token of the previous text. Returns the
-    panel's outputs (plots, summary, rows, data, training-data panel and its data)."""
+    panel's outputs (plots, summary, rows, data, training-data panel and its data) and the status line. It runs
+    outside the queue, before the generation starts, so the old explanation is gone at once."""
     empty = plots.empty_figure("click a token of the new text")
-    return empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION, None
+    return (empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION, None,
+            "Generating…")
 
 
 def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session):
@@ -523,11 +525,17 @@ def select_pending(studio: Studio, pending: dict | None, session: Session):
 
 
 def _export(make, *args):
+    """(the file or None on a problem, status)."""
     try:
         path = make(*args)
     except AppError as err:
         return None, _problem(err)
     return path, _ok(f"ready: {Path(path).name} (download below)")
+
+
+def _shown_if_set(value):
+    """The link box and the download boxes take no room until they hold something."""
+    return gr.update(visible=bool(value))
 
 
 def export_generation(studio: Studio, session: Session):
@@ -574,7 +582,7 @@ def import_interventions(studio: Studio, upload, session: Session):
 
 CSS = """
 .prism-evidence { border-left: 3px solid #ddd; padding: 4px 8px; margin: 6px 0; font-family: monospace; }
-.prism-evidence-source { color: #666; font-size: 0.85em; font-family: sans-serif; }
+.prism-evidence-source { opacity: 0.75; font-size: 0.85em; font-family: sans-serif; }
 """
 
 # A click on a map point writes its prototype id into the prototype id box and presses Open card.
@@ -656,10 +664,10 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             import_iv_btn = gr.UploadButton("Import interventions", size="sm", file_types=[".json"],
                                                             type="filepath", elem_id="import-iv")
                         share_status = gr.Markdown(elem_id="share-status")
-                        link_box = gr.Textbox(label="Link to this state", visible=True, interactive=False,
+                        link_box = gr.Textbox(label="Link to this state", visible=False, interactive=False,
                                               buttons=["copy"], elem_id="link", max_lines=1)
                         export_file = gr.File(label="Download", interactive=False, elem_id="export-file",
-                                              height=80)
+                                              visible=False)
                         with gr.Row():
                             run = gr.Radio(list(RUNS), value="original", label="Text", scale=1)
                             index = gr.Number(value=0, precision=0, label="Token index", scale=1)
@@ -687,7 +695,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             search_btn = gr.Button("Search", variant="primary", elem_id="search", scale=3)
                             export_table_btn = gr.Button("Export all prototypes (CSV)", scale=1,
                                                          elem_id="export-table")
-                        table_file = gr.File(label="Download", interactive=False, elem_id="table-file", height=80)
+                        table_file = gr.File(label="Download", interactive=False, elem_id="table-file",
+                                             visible=False)
                         search_status = gr.Markdown(elem_id="search-status")
                         table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, label="Prototypes (click a "
                                              "row)", elem_id="table", max_height=360)
@@ -706,7 +715,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 with gr.Row():
                     export_ev_btn = gr.Button("Export this prototype's evidence (CSV)", size="sm",
                                               elem_id="export-evidence")
-                evidence_file = gr.File(label="Download", interactive=False, elem_id="evidence-file", height=80)
+                evidence_file = gr.File(label="Download", interactive=False, elem_id="evidence-file",
+                                        visible=False)
                 signature = gr.Plot(label="Logit signature")
                 histogram = gr.Plot(label="Activation histogram")
                 card_json = gr.JSON(visible=False)
@@ -757,9 +767,9 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
 
         card_outputs = [card_md, signature, histogram, evidence, card_json]
         iv_outputs = [session, iv_table, iv_status]
-        generate_btn.click(clear_explanation, None, [waterfall, alternatives, token_md, active, token_json,
-                                                     attribution_html, attribution_json], api_name=False)
         generating = generate_btn.click(
+            clear_explanation, None, [waterfall, alternatives, token_md, active, token_json, attribution_html,
+                                      attribution_json, gen_status], api_name=False, queue=False).then(
             partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session],
             [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate",
             concurrency_limit=concurrency, concurrency_id="model")
@@ -813,22 +823,34 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
 
         # Links, exports, imports.
         settings_inputs = [prompt, max_new, temperature, top_p, seed]
-        link_btn.click(partial(share_link, studio), [*settings_inputs, run, token_json, session],
+        # Gradio passes gr.Request only to functions whose own annotations name it (not through a partial).
+        def link_for(prompt, max_new, temperature, top_p, seed, run, token, session, request: gr.Request):
+            return share_link(studio, prompt, max_new, temperature, top_p, seed, run, token, session, request)
+
+        def restore_for(session, request: gr.Request):
+            return restore_link(studio, session, request)
+
+        link_btn.click(link_for, [*settings_inputs, run, token_json, session],
                        [link_box, share_status], api_name="link").then(
             None, [link_box], None, api_name=False,
-            js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }")
+            js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }").then(
+            _shown_if_set, [link_box], [link_box], api_name=False)
         export_gen_btn.click(partial(export_generation, studio), [session], [export_file, share_status],
-                             api_name="export_generation", concurrency_limit=concurrency, concurrency_id="model")
+                             api_name="export_generation", concurrency_limit=concurrency, concurrency_id="model").then(
+            _shown_if_set, [export_file], [export_file], api_name=False)
         export_iv_btn.click(partial(export_interventions, studio), [session], [export_file, share_status],
-                            api_name="export_interventions")
+                            api_name="export_interventions").then(
+            _shown_if_set, [export_file], [export_file], api_name=False)
         import_iv_btn.upload(partial(import_interventions, studio), [import_iv_btn, session],
                              [session, iv_table, iv_status, iv_suppress_mode], api_name="import_interventions")
         export_table_btn.click(partial(export_table, studio), None, [table_file, search_status],
-                               api_name="export_table")
+                               api_name="export_table").then(
+            _shown_if_set, [table_file], [table_file], api_name=False)
         export_ev_btn.click(partial(export_evidence, studio), [proto_id], [evidence_file, iv_status],
-                            api_name="export_evidence")
+                            api_name="export_evidence").then(
+            _shown_if_set, [evidence_file], [evidence_file], api_name=False)
         pending = gr.State(None)
-        demo.load(partial(restore_link, studio), [session],
+        demo.load(restore_for, [session],
                   [*settings_inputs, session, iv_table, iv_status, iv_suppress_mode, pending, gen_status],
                   api_name=False).then(
             partial(generate_pending, studio), [pending, *settings_inputs, session],

@@ -209,8 +209,9 @@ def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studi
 
 
 def test_a_new_generation_clears_the_explanation_panel(studio):
-    waterfall, alternatives, summary, rows, data, attribution, attribution_data = ui.clear_explanation()
-    assert "new text" in summary and rows == [] and data is None and attribution_data is None
+    waterfall, alternatives, summary, rows, data, attribution, attribution_data, status = ui.clear_explanation()
+    assert "new text" in summary and status == "Generating…"
+    assert rows == [] and data is None and attribution_data is None
     assert ui.refresh_attribution(studio, None, "original", 3, Session()) == (ui.EMPTY_ATTRIBUTION, None)
 
 

@@ -47,6 +47,11 @@ def pack(data: dict) -> str:
         hashlib.sha256(raw).hexdigest()[:16]
 
 
+def shown(value):
+    """A handler's link or file, None when there is none (the page then keeps the box hidden)."""
+    return ui._shown_if_set(value)["visible"] and value or None
+
+
 def request(**query) -> gr.Request:
     return gr.Request(query_params=query, headers={"host": "example.org:7860"})
 
@@ -80,6 +85,7 @@ def test_a_link_restores_settings_interventions_token_and_the_same_two_texts(stu
     url, status = ui.share_link(studio, settings.prompt, settings.max_new_tokens, settings.temperature,
                                 settings.top_p, settings.seed, "intervened", {"index": 3}, session,
                                 request(host="x"))
+    url = shown(url)
     assert url.startswith("http://example.org:7860/?state=") and "⚠️" not in status
     out = ui.restore_link(studio, Session(), request(state=url.split("state=")[1]))
     prompt, max_new, temperature, top_p, seed, restored, rows, _, mode, pending, _ = out
@@ -142,6 +148,7 @@ def test_a_damaged_link_is_refused(studio, state, damage):
 def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
     settings, session = state
     path, status = ui.export_interventions(studio, session)
+    path = shown(path)
     assert path and "⚠️" not in status
     data = json.loads(open(path).read())
     assert data["format"] == share.INTERVENTIONS_FORMAT and len(data["items"]) == 3
@@ -159,8 +166,8 @@ def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
         bad.write_text(content)
         after, rows, status, _ = ui.import_interventions(studio, str(bad), before)
         assert after is before and message in status and rows == before.rows()
-    _, status = ui.export_interventions(studio, Session())
-    assert "no interventions" in status
+    hidden, status = ui.export_interventions(studio, Session())
+    assert "no interventions" in status and shown(hidden) is None
 
 
 def test_controllers_are_listed_removable_and_kept_out_of_links_unless_shipped(studio, tmp_path):
@@ -189,6 +196,7 @@ def test_generation_export_holds_every_tokens_exact_decomposition(studio, state)
     settings, session = state
     *_, session, _ = list(ui.generate(studio, settings.prompt, 6, 0, 1, 0, session))[-1]
     path, status = ui.export_generation(studio, session)
+    path = shown(path)
     data = json.loads(open(path).read())
     assert set(data["runs"]) == {"original", "intervened"} and data["status"] is not None
     for name, gen in (("original", session.original), ("intervened", session.intervened)):
@@ -204,20 +212,20 @@ def test_generation_export_holds_every_tokens_exact_decomposition(studio, state)
 
 
 def test_table_and_evidence_csv_hold_what_the_database_holds(studio):
-    path, _ = ui.export_table(studio)
+    path = shown(ui.export_table(studio)[0])
     table = pd.read_csv(path)
     assert list(table["prototype_id"]) == list(range(studio.n_prototypes))
     assert {"label", "category", "label_score", "activation_count"} <= set(table.columns)
     labels = {p: studio.label(p)[0] for p in range(studio.n_prototypes)}
     assert {int(r.prototype_id): ("" if pd.isna(r.label) else r.label) for r in table.itertuples()} == labels
     pid = int(table.sort_values("activation_count", ascending=False)["prototype_id"].iloc[0])
-    path, _ = ui.export_evidence(studio, pid)
+    path = shown(ui.export_evidence(studio, pid)[0])
     ev = pd.read_csv(path)
     card = studio.card(pid, n_evidence=export.MAX_EVIDENCE)
     assert len(ev) == len(card["evidence"]) > 0 and list(ev["rank"]) == [e["rank"] for e in card["evidence"]]
     assert all(f"[{tok}]" in ctx for tok, ctx in zip(ev["token"], ev["context"]))
-    path, status = ui.export_evidence(studio, 999)
-    assert path is None and "no prototype 999" in status
+    hidden, status = ui.export_evidence(studio, 999)
+    assert shown(hidden) is None and "no prototype 999" in status
 
 
 def test_a_stopped_generation_keeps_its_tokens_and_is_not_reused(studio):
@@ -240,6 +248,6 @@ def test_a_stopped_generation_keeps_its_tokens_and_is_not_reused(studio):
 
 def test_bad_share_input_gets_a_message(studio):
     url, status = ui.share_link(studio, "  ", 8, 0, 1, 0, "original", None, Session(), request())
-    assert url == "" and "empty" in status
+    assert shown(url) is None and "empty" in status
     with pytest.raises(AppError):
         share.decode_link(studio, "x" * (share.MAX_TOKEN_CHARS + 1))

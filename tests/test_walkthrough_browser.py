@@ -116,3 +116,32 @@ def test_readme_walkthrough_removes_the_register_and_names_the_replacements(brow
     assert not re.search(r"slots went to #\d+", page.inner_text("#gen-status"))  # nothing is re-routed now
     page.screenshot(path=str(ARTIFACTS / "walkthrough-3-slices-removed.png"), full_page=True)
     page.close()
+
+
+def test_the_text_streams_and_stop_keeps_what_was_written(browser, app):
+    """Tokens appear while the model writes (SmolLM2 on CPU writes a few per second), Stop ends the run and keeps
+    them, and a token written before Stop can be explained."""
+    settings = walkthrough_settings()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT)
+    page.goto(app)
+    page.wait_for_selector("#prompt textarea")
+    page.fill("#prompt textarea", settings["prompt"])
+    set_number(page, "max-new", 200)
+    page.click("#generate")
+    page.wait_for_function("document.querySelectorAll('#original .textfield .token').length >= 3")
+    shown = len(tokens(page, "original"))
+    status = page.inner_text("#gen-status")
+    assert "Generating" in status and "Generated" not in status, status  # the text is there before the end
+    page.click("#stop")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('Stopped after')")
+    kept = int(re.search(r"Stopped after (\d+) original", page.inner_text("#gen-status")).group(1))
+    assert shown <= kept < 200
+    # the page shows exactly the tokens the session kept (messages already on their way may still land)
+    page.wait_for_function(f"document.querySelectorAll('#original .textfield .token').length == {kept}")
+    page.wait_for_timeout(1000)
+    assert len(tokens(page, "original")) == kept
+    page.locator("#original .textfield .token").nth(kept - 1).click()
+    page.wait_for_function(f"document.querySelector('#token-summary').innerText.includes('Token {kept - 1}:')")
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-4-stopped.png"), full_page=True)
+    page.close()
