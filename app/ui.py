@@ -5,7 +5,8 @@ gr.State value) where it needs one, and returns a new Session instead of changin
 has an api_name, so each UI action is also an HTTP endpoint `gradio_client` can call:
 
     generate, decompose, prototype, search, suppress, scale, suppress_category, suppress_search, preset,
-    suppress_mode, remove_intervention, clear_interventions, interventions, map, attribute, controller
+    suppress_mode, remove_intervention, clear_interventions, interventions, map, attribute, controller,
+    link, export_generation, export_interventions, import_interventions, export_table, export_evidence
 
 Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
 the app keeps running.
@@ -93,12 +94,34 @@ def _interventions_table(session: Session) -> list[list]:
 # Handlers: generation and tokens.
 
 
+class RunControl:
+    """One browser session's Stop button (a mutable value in its own gr.State, never shared between sessions): Stop
+    asks the running generation to end after its current token, and the generation itself writes the last
+    update. Cancelling the event instead lets updates already on their way land after the 'stopped' message."""
+
+    def __init__(self) -> None:
+        self.run = 0
+        self.stop_run = -1
+
+    def start(self) -> int:
+        self.run += 1
+        return self.run
+
+    def stop(self) -> None:
+        self.stop_run = self.run
+
+    def stopped(self, run: int) -> bool:
+        return self.stop_run == run
+
+
 def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
-             session: Session):
+             session: Session, control: RunControl | None = None):
     """Stream the original continuation and, when the session has interventions, the intervened one beside it
     (same settings and seed). Yields (original, intervened, status, intervened column title, session, result): the
-    session already holds the growing texts, so a token can be explained while the rest is written, and a Stop
-    keeps what was written so far."""
+    session already holds the growing texts, so a token can be explained while the rest is written; after
+    control.stop() the run ends after the current token and keeps what it wrote."""
+    run = control.start() if control is not None else None
+    stopped = False
     try:
         settings = GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
                                       temperature=float(temperature or 0), top_p=float(top_p or 1.0),
@@ -115,6 +138,9 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
         column = _intervened_column(session if not interventions.is_empty else None)
         active = list(streams)
         while active:
+            if control is not None and control.stopped(run):
+                stopped = True
+                break
             for name, stream in list(active):
                 gen = next(stream, None)
                 if gen is None:
@@ -130,13 +156,13 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
         yield [], [], _problem(err), INTERVENED_TITLE, session, None
         return
     original, intervened = current["original"], current["intervened"]
-    if original is None:  # nothing to stream: the stored original is reused and there are no interventions
+    if original is None and not stopped:  # nothing streamed: the stored original is reused, no interventions
         original = session.original
-    diff = side_by_side(original, intervened) if intervened is not None else None
+    diff = side_by_side(original, intervened) if original is not None and intervened is not None else None
     session = replace(session, original=original, intervened=intervened, selected=None)
     yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True), column,
-           session, _result(original, intervened, diff))
+           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True,
+                              stopped=stopped), column, session, _result(original, intervened, diff))
 
 
 def _result(original: Generation | None, intervened: Generation | None, diff=None) -> dict:
@@ -154,24 +180,23 @@ def _intervened_column(session: Session | None) -> str:
     return f"**With: {html.escape(applied)}** (same seed)" if applied else INTERVENED_TITLE
 
 
-def stopped(studio: Studio, session: Session):
-    """After Stop: what was written stays, and the status says so. Returns (status, result)."""
-    current = {"original": session.original, "intervened": session.intervened}
-    if current["original"] is None and current["intervened"] is None:
-        return "Stopped before the first token.", None
-    counts = " and ".join(f"{len(g.steps)} {name}" for name, g in current.items() if g is not None)
-    diff = side_by_side(session.original, session.intervened) if session.original and session.intervened else None
-    return (f"⏹ Stopped after {counts} token(s). Click a token to explain it; Generate writes the text again.",
-            _result(session.original, session.intervened, diff))
+def request_stop(control: RunControl) -> None:
+    """Stop: the running generation of this session ends after its current token (it writes the last update)."""
+    control.stop()
 
 
-def _generation_status(studio: Studio, current: dict, diff=None, done: bool = False) -> str:
+def _generation_status(studio: Studio, current: dict, diff=None, done: bool = False, stopped: bool = False) -> str:
     parts = []
     gen = current["original"] or current["intervened"]
+    if stopped and gen is None:
+        return "⏹ Stopped before the first token."
     if gen is not None:
         parts += [f"ℹ️ {note}" for note in gen.notes]
         counts = " and ".join(f"{len(g.steps)} {name}" for name, g in current.items() if g is not None)
-        parts.append(f"Generated {counts} token(s)." if done else f"Generating… {counts} token(s) so far.")
+        if stopped:
+            parts.append(f"⏹ Stopped after {counts} token(s); what was written stays and can be explained.")
+        else:
+            parts.append(f"Generated {counts} token(s)." if done else f"Generating… {counts} token(s) so far.")
     if current["intervened"] is None:
         parts.append("Click a token to see why the model wrote it. Suppress or scale prototypes on the right, then "
                      "generate again to compare.")
@@ -767,14 +792,14 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
 
         card_outputs = [card_md, signature, histogram, evidence, card_json]
         iv_outputs = [session, iv_table, iv_status]
-        generating = generate_btn.click(
+        control = gr.State(RunControl())
+        generate_btn.click(
             clear_explanation, None, [waterfall, alternatives, token_md, active, token_json, attribution_html,
                                       attribution_json, gen_status], api_name=False, queue=False).then(
-            partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session],
+            partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session, control],
             [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate",
             concurrency_limit=concurrency, concurrency_id="model")
-        stop_btn.click(partial(stopped, studio), [session], [gen_status, result_json], cancels=[generating],
-                       api_name=False)
+        stop_btn.click(request_stop, [control], None, api_name=False, queue=False)
         token_outputs = [waterfall, alternatives, token_md, active, proto_id, session, token_json]
         decompose_btn.click(partial(decompose, studio), [run, index, session], token_outputs, api_name="decompose",
                             concurrency_limit=concurrency, concurrency_id="model").then(

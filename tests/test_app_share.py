@@ -230,19 +230,25 @@ def test_table_and_evidence_csv_hold_what_the_database_holds(studio):
 
 def test_a_stopped_generation_keeps_its_tokens_and_is_not_reused(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8)
-    stream = ui.generate(studio, PROMPT, 8, 0, 1, 0, Session())
+    control, other = ui.RunControl(), ui.RunControl()
+    stream = ui.generate(studio, PROMPT, 8, 0, 1, 0, Session(), control)
     for _ in range(3):
-        *_, session, result = next(stream)
-    stream.close()  # what Stop does to the running event
-    assert len(session.original.steps) == 3 and not session.original.finished and result is None
-    status, result = ui.stopped(studio, session)
-    assert "Stopped after 3 original" in status and len(result["original"]["tokens"]) == 3
+        next(stream)
+    ui.request_stop(other)  # another session's Stop does nothing here
+    next(stream)
+    ui.request_stop(control)  # the run ends after its current token and writes the last update itself
+    rest = list(stream)
+    assert len(rest) == 1
+    original, _, status, _, session, result = rest[0]
+    assert len(session.original.steps) == 4 and not session.original.finished and len(original) == 4
+    assert "Stopped after 4 original" in status and len(result["original"]["tokens"]) == 4
     # a token written before Stop can be explained
-    _, _, summary, *_ = ui.decompose(studio, "original", 2, session)
-    assert "Token 2" in summary
-    *_, again, _ = list(ui.generate(studio, PROMPT, 8, 0, 1, 0, session))[-1]
+    _, _, summary, *_ = ui.decompose(studio, "original", 3, session)
+    assert "Token 3" in summary
+    # the next run is not stopped by the old request, and the partial text is not reused as the original
+    *_, again, _ = list(ui.generate(studio, PROMPT, 8, 0, 1, 0, session, control))[-1]
     assert again.original is not session.original and again.original.finished and len(again.original.steps) == 8
-    assert again.original.token_ids[:3] == session.original.token_ids
+    assert again.original.token_ids[:4] == session.original.token_ids
     assert again.original.token_ids == studio.generate(settings).token_ids
 
 

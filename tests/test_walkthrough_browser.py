@@ -12,6 +12,7 @@ import re
 import pytest
 from test_app_support import ROOT, running_app
 
+from app import ui
 from app.assets import DEFAULT_MODEL, resolve_db
 from precompute.presets import PRESETS
 
@@ -145,3 +146,27 @@ def test_the_text_streams_and_stop_keeps_what_was_written(browser, app):
     page.wait_for_function(f"document.querySelector('#token-summary').innerText.includes('Token {kept - 1}:')")
     page.screenshot(path=str(ARTIFACTS / "walkthrough-4-stopped.png"), full_page=True)
     page.close()
+
+
+def test_a_link_carries_a_shipped_controller_by_name(browser, app):
+    """The shipped controller switched on over the API, shared as a link: a fresh browser gets the controller back
+    (listed with the interventions) and the same two texts."""
+    import gradio_client
+
+    client = gradio_client.Client(app, verbose=False)
+    _, status, view = client.predict("", None, True, "next_sentence", api_name="/controller")
+    assert "⚠️" not in status and view["moved"] > 0
+    prompt = walkthrough_settings()["prompt"]
+    *_, result = client.predict(prompt, 12, 0, 1, 0, api_name="/generate")
+    assert result["first_change"] is not None, "the controller should change this greedy continuation"
+    url, _ = client.predict(prompt, 12, 0, 1, 0, "original", None, api_name="/link")
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT)
+    page.goto(url)
+    page.wait_for_function("document.querySelectorAll('#intervened .textfield .token').length == 12")
+    shown = lambda run: "".join(tokens(page, run)).replace(ui.NEWLINE, "\n")  # noqa: E731 - chips mark line breaks
+    assert shown("original") == result["original"]["text"] and shown("intervened") == result["intervened"]["text"]
+    assert "controller next_sentence (on" in page.inner_text("#interventions")
+    assert "controller next_sentence" in page.inner_text("#intervened-title")
+    context.close()
