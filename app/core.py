@@ -35,6 +35,8 @@ from prism.model import changed_selection
 logger = logging.getLogger(__name__)
 
 UNLABELLED = "unlabelled"
+NO_PROTOTYPE = "no prototype active"  # a token's colour when no prototype fired for it (not a category)
+NEVER_ACTIVE = "never active"  # a browser filter: prototypes with no activation in the corpus (dead)
 MAX_QUERY_CHARS = 200
 BUILD_HINT = ("No precompute database is loaded, so there are no labels, categories or evidence. Build one with "
               "`python -m precompute build --model MODEL --corpus CORPUS --db out.duckdb` and start the app with "
@@ -333,7 +335,7 @@ class Studio:
         return gen
 
     def top_category(self, step: Step) -> str:
-        return self.label(step.prototype_ids[0])[1] if step.prototype_ids else "no prototype"
+        return self.label(step.prototype_ids[0])[1] if step.prototype_ids else NO_PROTOTYPE
 
     # -- decomposition ----------------------------------------------------------------------------------------
 
@@ -490,12 +492,24 @@ class Studio:
                      "score": r["score"]} for r in rows]
         raise AppError(f"search mode must be 'label' or 'semantic', got {mode!r}")
 
+    def filters(self) -> list[str]:
+        """What the browser's category filter offers: the database's categories, then 'unlabelled' (no label) and
+        'never active' (no activation in the corpus) whether or not any prototype is in them."""
+        categories = self.db.categories if self.db is not None else []
+        return [*categories, *(f for f in (UNLABELLED, NEVER_ACTIVE) if f not in categories)]
+
     def table(self, category: str | None = None, order_by: str = "activation_count") -> list[dict]:
+        """Every prototype of the database (or of one category / filter), sorted."""
         db = self._need_db()
-        if category and category not in db.categories:
-            raise AppError(f"unknown category {category!r}: one of {', '.join(db.categories)}")
+        if category and category not in self.filters():
+            raise AppError(f"unknown category {category!r}: one of {', '.join(self.filters())}")
         if order_by not in query.ORDERINGS:
             raise AppError(f"sort by one of {', '.join(query.ORDERINGS)}, got {order_by!r}")
+        if category in (UNLABELLED, NEVER_ACTIVE):
+            rows = db.run(query.prototype_table, order_by=order_by)
+            if category == UNLABELLED:
+                return [r for r in rows if not r["label"] or r["category"] in (None, UNLABELLED)]
+            return [r for r in rows if not r["activation_count"]]
         return db.run(query.prototype_table, category=category or None, order_by=order_by)
 
     def category_ids(self, category: str) -> list[int]:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from app.core import UNLABELLED, TokenDecomposition, TokenView
+from app.core import NO_PROTOTYPE, UNLABELLED, TokenDecomposition, TokenView
 from precompute.schema import CATEGORIES
 
 _PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
             "#86bcb6", "#d37295", "#8cd17d", "#bab0ac")
 CATEGORY_COLORS = {c: _PALETTE[i % len(_PALETTE)] for i, c in enumerate(CATEGORIES)}
 CATEGORY_COLORS[UNLABELLED] = "#c7c7c7"
-CATEGORY_COLORS["no prototype"] = "#eeeeee"
+CATEGORY_COLORS[NO_PROTOTYPE] = "#eeeeee"
 RESIDUAL_COLOR = "#7f7f7f"
 # White plot panels in both the light and the dark theme: the text stays dark on white, so it reads in either.
 _LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), height=360, paper_bgcolor="white",
@@ -126,35 +126,50 @@ def _view_range(values: list[float], tail: float = 0.01, margin: float = 0.06) -
     return lo - margin * span, hi + margin * span
 
 
-def map_figure(points: list[dict], highlight: set[int] = frozenset()) -> go.Figure:
+def map_figure(points: list[dict], highlight: set[int] = frozenset(), selected: int | None = None,
+               category: str | None = None) -> go.Figure:
     """The prototypes on their 2-D map, one trace per category; customdata carries the prototype id so a click
-    can open its card. Outliers are pinned to the edge of the view (drawn as open diamonds, their hover says so)
-    instead of squeezing the map."""
+    can open its card. Outliers are pinned to the edge of the view (open diamonds, their hover says so) instead
+    of squeezing the map. `highlight` (search results) are ringed, `selected` (the open card) is a star, and with a
+    `category` the other categories are greyed out."""
     fig = go.Figure()
     if not points:
         return empty_figure("no map in this database (python -m precompute.map)")
     (x0, x1), (y0, y1) = _view_range([p["x"] for p in points]), _view_range([p["y"] for p in points])
-    by_category: dict[str, list[dict]] = {}
-    for p in points:
-        by_category.setdefault(p["category"] or UNLABELLED, []).append(p)
-    inside = lambda r: x0 <= r["x"] <= x1 and y0 <= r["y"] <= y1  # noqa: E731
+    clip = lambda r: (min(max(r["x"], x0), x1), min(max(r["y"], y0), y1))  # noqa: E731
+    inside = lambda r: clip(r) == (r["x"], r["y"])  # noqa: E731
     trace = fig.add_scattergl if len(points) > 4000 else fig.add_scatter  # SVG unless too many points
     hover = lambda r, note="": (f"#{r['prototype_id']} {r['label'] or ''}<br>{r['category'] or UNLABELLED}<br>"  # noqa: E731
                                 f"{r['activation_count'] or 0} tokens{note}")
-    for category, rows in sorted(by_category.items()):
-        rows = [r for r in rows if inside(r)]
-        trace(x=[r["x"] for r in rows], y=[r["y"] for r in rows], mode="markers", name=category,
-              customdata=[r["prototype_id"] for r in rows], text=[hover(r) for r in rows], hoverinfo="text",
-              marker=dict(color=category_color(category), line=dict(width=0.5, color="white"),
-                          size=[12 if r["prototype_id"] in highlight else 7 for r in rows]))
-    pinned = [p for p in points if not inside(p)]
+
+    def add(rows, name, marker, note=""):
+        trace(x=[clip(r)[0] for r in rows], y=[clip(r)[1] for r in rows], mode="markers", name=name,
+              customdata=[r["prototype_id"] for r in rows], text=[hover(r, note) for r in rows], hoverinfo="text",
+              marker=marker)
+
+    shown = [p for p in points if category is None or (p["category"] or UNLABELLED) == category]
+    others = [p for p in points if p not in shown]
+    if others:
+        add(others, "other categories", dict(color="#d9d9d9", size=5))
+    by_category: dict[str, list[dict]] = {}
+    for p in shown:
+        if inside(p):
+            by_category.setdefault(p["category"] or UNLABELLED, []).append(p)
+    for name, rows in sorted(by_category.items()):
+        add(rows, name, dict(color=category_color(name), size=7, line=dict(width=0.5, color="white")))
+    pinned = [p for p in shown if not inside(p)]
     if pinned:
-        trace(x=[min(max(r["x"], x0), x1) for r in pinned], y=[min(max(r["y"], y0), y1) for r in pinned],
-              mode="markers", name=f"outliers, pinned to the edge ({len(pinned)})",
-              customdata=[r["prototype_id"] for r in pinned],
-              text=[hover(r, "<br>(an outlier: pinned to the edge of the map)") for r in pinned], hoverinfo="text",
-              marker=dict(symbol="diamond-open", size=9, line=dict(width=1.5),
-                          color=[category_color(r["category"]) for r in pinned]))
+        add(pinned, f"outliers, pinned to the edge ({len(pinned)})",
+            dict(symbol="diamond-open", size=9, line=dict(width=1.5),
+                 color=[category_color(r["category"]) for r in pinned]), "<br>(an outlier: pinned to the edge)")
+    found = [p for p in points if p["prototype_id"] in highlight]
+    if found:
+        add(found, f"search results ({len(found)})",
+            dict(symbol="circle-open", size=15, line=dict(width=2.5), color="#111111"))
+    chosen = [p for p in points if p["prototype_id"] == selected]
+    if chosen:
+        add(chosen, f"#{selected} (open card)",
+            dict(symbol="star", size=20, color="#ffd400", line=dict(width=1.5, color="#111111")))
     fig.update_layout(title=dict(text="prototype map (click a point to open its card)", font=dict(size=14)),
                       xaxis=dict(visible=False, range=[x0, x1]), yaxis=dict(visible=False, range=[y0, y1]),
                       **{**_LAYOUT, "height": 480})

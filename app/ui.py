@@ -28,6 +28,8 @@ from app import export, plots, share
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
 from app.core import (
+    NEVER_ACTIVE,
+    NO_PROTOTYPE,
     AppError,
     Generation,
     GenerationSettings,
@@ -43,8 +45,12 @@ logger = logging.getLogger(__name__)
 RUNS = ("original", "intervened")
 CHANGED = "changed by intervention"
 NEWLINE = "⏎"  # how a line break shows inside a token chip: every token stays one clickable chip
-ORDERINGS = {"activation count": "activation_count", "label score": "label_score", "prototype id": "prototype_id"}
-TABLE_HEADERS = ["prototype_id", "label", "category", "score", "activation_count"]
+# "relevance": a semantic search by similarity, a label search exact matches first; without a search, activations
+ORDERINGS = {"relevance": None, "activation count": "activation_count", "label score": "label_score",
+             "prototype id": "prototype_id"}
+TABLE_HEADERS = ["id", "label", "category", "label score", "sibling score", "tokens", "similarity"]
+TABLE_WIDTHS = ["44px", "200px", "110px", "82px", "82px", "70px", "110px"]  # every number on screen at 1280 px
+SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the label at least this (MiniLM)
 ACTIVE_HEADERS = ["prototype_id", "label", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
 CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
@@ -338,31 +344,57 @@ def _evidence_html(row: dict) -> str:
             f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')
 
 
+def _score(x) -> float | None:
+    return None if x is None else round(float(x), 3)
+
+
 def search(studio: Studio, text: str, mode: str, category: str, order: str):
     """The browser table: all prototypes (empty search) or label / semantic search results, filtered by
-    category and sorted. Returns (rows, status)."""
+    category and sorted (relevance by default). A semantic match is a label with cosine similarity >= SEMANTIC_MIN;
+    the count is the number of matches. Returns (rows, status)."""
     try:
         category = None if category in (None, "", "all") else category
-        order_by = ORDERINGS.get(order, order or "activation_count")
+        if order not in ORDERINGS:
+            raise AppError(f"sort by one of {', '.join(ORDERINGS)}, got {order!r}")
+        listed = studio.table(category, "prototype_id")
         if not (text or "").strip():
-            rows = studio.table(category, order_by)
-            out = [[r["prototype_id"], r["label"], r["category"], r["label_score"], r["activation_count"]]
-                   for r in rows]
-            return out, f"{len(out)} prototype(s)"
-        results = studio.search(text, "semantic" if mode == "semantic" else "label", k=100)
-        counts = {r["prototype_id"]: r["activation_count"] for r in studio.table(category, "prototype_id")}
-        out = [[r["prototype_id"], r["label"], r["category"], r["score"], counts.get(r["prototype_id"])]
-               for r in results if r["prototype_id"] in counts]
-        if order_by == "activation_count":
-            out.sort(key=lambda r: -(r[4] or 0))
-        return out, f"{len(out)} match(es) for {text.strip()[:80]!r}"
+            rows = [{**r, "similarity": None} for r in listed]
+            found = f"{len(rows)} prototype(s)" + (f" in {category}" if category else "")
+        else:
+            kind = "semantic" if mode == "semantic" else "label"
+            results = studio.search(text, kind, k=studio.n_prototypes)
+            if kind == "semantic":
+                results = [r for r in results if r["score"] >= SEMANTIC_MIN]
+            by_id = {r["prototype_id"]: r for r in listed}
+            rows = [{**by_id[r["prototype_id"]], "similarity": r["score"] if kind == "semantic" else None}
+                    for r in results if r["prototype_id"] in by_id]  # search order = relevance
+            what = f"with label similarity >= {SEMANTIC_MIN:.2f} to" if kind == "semantic" else "whose label contains"
+            found = f"{len(rows)} prototype(s) {what} {text.strip()[:80]!r}" + (f" in {category}" if category else "")
+        key = ORDERINGS[order]
+        if key is None and not (text or "").strip():
+            key = "activation_count"
+        if key == "prototype_id":
+            rows.sort(key=lambda r: r["prototype_id"])
+        elif key is not None:
+            rows.sort(key=lambda r: (r.get(key) is None, -(r.get(key) or 0), r["prototype_id"]))
+        out = [[r["prototype_id"], r["label"], r["category"], _score(r.get("label_score")),
+                _score(r.get("sibling_score")), r.get("activation_count"), _score(r["similarity"])] for r in rows]
+        return out, f"{found}, sorted by {order}"
     except AppError as err:
         return [], _problem(err)
 
 
-def map_plot(studio: Studio):
+def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = None, category: str | None = None):
+    """The map: the search results in the table ringed (when there is a search), the open card's prototype
+    starred, other categories greyed out when the filter names one."""
     try:
-        return plots.map_figure(studio.map_points())
+        highlight = set()
+        if (text or "").strip() and table is not None:
+            ids = table.iloc[:, 0].tolist() if hasattr(table, "iloc") else [r[0] for r in table or []]
+            highlight = {int(i) for i in ids if str(i).strip().lstrip("-").isdigit()}
+        selected = int(card["prototype_id"]) if isinstance(card, dict) and "prototype_id" in card else None
+        category = None if category in (None, "", "all") else category
+        return plots.map_figure(studio.map_points(), highlight, selected, category)
     except AppError as err:
         return plots.empty_figure(str(err))
 
@@ -640,7 +672,8 @@ evidence behind them, then switch a prototype off and see what the model writes 
 def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     """The one Blocks layout; `concurrency` bounds how many generations run at once (they share the CPU)."""
     categories = studio.db.categories if studio.db is not None else []
-    color_map = {c: plots.category_color(c) for c in [*categories, "unlabelled", "no prototype"]}
+    # the legend: the categories the browser's filter offers, then what colours only tokens
+    color_map = {c: plots.category_color(c) for c in [*studio.filters(), NO_PROTOTYPE] if c != NEVER_ACTIVE}
     color_map[CHANGED] = "#ff2d2d"
     db_note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
         "No precompute database: labels, categories and evidence are off. Build one with `python -m precompute " \
@@ -701,7 +734,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                         waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
                         alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
                         active = gr.Dataframe(headers=ACTIVE_HEADERS, label="Active prototypes (click a row)",
-                                              interactive=False, elem_id="active")
+                                              interactive=False, elem_id="active", wrap=True,
+                                              column_widths=["64px", "44%", "20%", "92px", "104px"])
                         with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
                             attribute_btn = gr.Button("Find the training data", elem_id="attribute")
                             attribution_html = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
@@ -714,8 +748,10 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             query_box = gr.Textbox(label="Search", placeholder="e.g. year, suffix, a hospital",
                                                    scale=3, elem_id="search-box")
                             mode = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
-                            category = gr.Dropdown(["all", *categories], value="all", label="Category", scale=1)
-                            order = gr.Dropdown(list(ORDERINGS), value="activation count", label="Sort by", scale=1)
+                            category = gr.Dropdown(["all", *studio.filters()], value="all", label="Category",
+                                                   scale=1, elem_id="category-filter")
+                            order = gr.Dropdown(list(ORDERINGS), value="relevance", label="Sort by", scale=1,
+                                                elem_id="order")
                         with gr.Row():
                             search_btn = gr.Button("Search", variant="primary", elem_id="search", scale=3)
                             export_table_btn = gr.Button("Export all prototypes (CSV)", scale=1,
@@ -724,7 +760,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                                              visible=False)
                         search_status = gr.Markdown(elem_id="search-status")
                         table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, label="Prototypes (click a "
-                                             "row)", elem_id="table", max_height=360)
+                                             "row)", elem_id="table", max_height=360, column_widths=TABLE_WIDTHS,
+                                             wrap=True)
                         proto_map = gr.Plot(label="Map", elem_id="prototype-map")
             with gr.Column(scale=2):
                 gr.Markdown("### Prototype")
@@ -818,8 +855,13 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 partial(prototype, studio), [proto_id], card_outputs, api_name=False)
 
         search_inputs = [query_box, mode, category, order]
-        search_btn.click(partial(search, studio), search_inputs, [table, search_status], api_name="search")
-        query_box.submit(partial(search, studio), search_inputs, [table, search_status], api_name=False)
+        map_inputs = [query_box, table, card_json, category]
+        search_btn.click(partial(search, studio), search_inputs, [table, search_status], api_name="search").then(
+            partial(map_plot, studio), map_inputs, [proto_map], api_name=False)
+        for trigger in (query_box.submit, mode.input, category.input, order.input):  # every change applies at once
+            trigger(partial(search, studio), search_inputs, [table, search_status], api_name=False).then(
+                partial(map_plot, studio), map_inputs, [proto_map], api_name=False)
+        card_json.change(partial(map_plot, studio), map_inputs, [proto_map], api_name=False)
 
         suppress_btn.click(partial(suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
         scale_btn.click(partial(scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
@@ -883,8 +925,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
             partial(select_pending, studio), [pending, session], [run, index, *token_outputs, *card_outputs],
             api_name=False)
 
-        demo.load(partial(map_plot, studio), None, [proto_map], api_name="map").then(
-            partial(search, studio), [query_box, mode, category, order], [table, search_status], api_name=False)
+        demo.load(partial(search, studio), search_inputs, [table, search_status], api_name=False).then(
+            partial(map_plot, studio), map_inputs, [proto_map], api_name="map")
         demo.load(deep_link, None, [proto_id, tabs], api_name=False).then(
             partial(prototype, studio), [proto_id], card_outputs, api_name=False)
     return demo

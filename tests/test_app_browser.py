@@ -11,6 +11,7 @@ import re
 import pytest
 from test_app_support import ROOT, running_app, shared_assets
 
+from app import ui
 from app.core import GenerationSettings, Studio, side_by_side
 from prism import Interventions
 
@@ -101,7 +102,7 @@ def test_search_card_evidence_map_and_deep_link(browser, app):
     page.wait_for_function("document.querySelector('#search-status').innerText.includes('prototype(s)')")
     page.fill("#search-box textarea, #search-box input", word)
     page.click("#search")
-    page.wait_for_function("document.querySelector('#search-status').innerText.includes('match')")
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('whose label contains')")
     status = page.inner_text("#search-status")
     assert not status.startswith("0 ") and "⚠️" not in status, status
     assert word in page.inner_text("#table").lower()
@@ -146,9 +147,53 @@ def test_bad_input_in_the_browser(browser, app):
     page.get_by_role("tab", name="Prototypes").click()
     page.fill("#search-box textarea, #search-box input", "'; DROP TABLE labels; --")
     page.click("#search")
-    page.wait_for_function("document.querySelector('#search-status').innerText.includes('match')")
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('0 prototype(s) whose')")
     page.fill("#search-box textarea, #search-box input", "")
     page.click("#search")
     page.wait_for_function("document.querySelector('#search-status').innerText.includes('24 prototype')")
     shot(page, "8-bad-input")
+    page.close()
+
+
+def test_semantic_search_order_count_sort_and_map_marks(browser, app):
+    studio = app["studio"]
+    pid = max(range(studio.n_prototypes), key=lambda p: len(studio.label(p)[0]))
+    label, category = studio.label(pid)
+    page = new_page(browser, app["url"])
+    page.get_by_role("tab", name="Prototypes").click()
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('prototype(s)')")
+    page.get_by_label("semantic").first.check()
+    page.fill("#search-box textarea, #search-box input", f"{category}: {label}")
+    page.click("#search")
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('similarity >=')")
+    status = page.inner_text("#search-status")
+    n = int(status.split()[0])
+    rows, _ = ui.search(studio, f"{category}: {label}", "semantic", "all", "relevance")
+    assert n == len(rows) >= 1 and "sorted by relevance" in status
+    first = page.locator("#table [data-testid='cell-0-0']").inner_text()
+    assert int(first) == pid  # the best match first, not the most active
+    assert float(page.locator("#table [data-testid='cell-0-6']").inner_text()) > 0.99  # the similarity is shown
+    # the map rings the results
+    page.wait_for_function(f"document.querySelector('#prototype-map').innerText.includes('search results ({n})')")
+    shot(page, "9-semantic-search")
+
+    # another sort applies at once, without pressing Search
+    page.locator("#order input").click()
+    page.get_by_role("option", name="prototype id").click()
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('sorted by prototype id')")
+    ids = [int(page.locator(f"#table [data-testid='cell-{i}-0']").inner_text()) for i in range(min(n, 5))]
+    assert ids == sorted(r[0] for r in rows)[: len(ids)]
+
+    # the open card is starred on the map
+    page.locator("#table [data-testid='cell-0-0']").click()
+    page.wait_for_function("document.querySelector('#card').innerText.includes('label score')")
+    opened = int(page.locator("#proto-id input").first.input_value())
+    page.wait_for_function(f"document.querySelector('#prototype-map').innerText.includes('#{opened} (open card)')")
+    # the numeric columns are on screen at 1280 px
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.wait_for_timeout(500)
+    cell = page.locator("#table [data-testid='cell-0-6']").bounding_box()
+    table = page.locator("#table").bounding_box()
+    assert cell and cell["x"] + cell["width"] <= table["x"] + table["width"] + 1
+    shot(page, "10-sorted-and-starred")
     page.close()
