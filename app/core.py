@@ -464,12 +464,13 @@ class Studio:
         return self.db
 
     def card(self, prototype_id, n_evidence: int = 6) -> dict:
-        """A prototype card (label, score, stats, histogram, signature, co-active) and its evidence rows."""
+        """A prototype card (label, scores, stats, histogram, signature, co-active, siblings) and its evidence."""
         pid = self.check_prototype(prototype_id)
         db = self._need_db()
         try:
             card = db.run(query.prototype_card, pid)
             card["evidence"] = db.run(query.evidence, pid, limit=n_evidence)
+            card["siblings"] = db.run(query.siblings, pid)
         except UnknownPrototype as err:
             raise AppError(str(err)) from None
         return card

@@ -318,12 +318,22 @@ def prototype(studio: Studio, prototype_id: float | str | None):
         empty = plots.empty_figure("no card")
         return _problem(err), empty, empty, "", None
     md = (f"### #{card['prototype_id']} {html.escape(card['label'] or '(no label)')}\n"
-          f"**{html.escape(card['category'] or 'unlabelled')}** · label score "
-          f"{card['label_score'] if card['label_score'] is None else round(card['label_score'], 3)} · active on "
+          f"**{html.escape(card['category'] or 'unlabelled')}** · label score {_shown_score(card['label_score'])}"
+          f" · sibling score {_shown_score(card.get('sibling_score'))} · active on "
           f"{card['activation_count'] or 0} corpus tokens, mean activation {card['mean_activation'] or 0:.3f}, "
-          f"max {card['max_activation'] or 0:.3f}")
+          f"max {card['max_activation'] or 0:.3f}  \n"
+          f"<small>Both scores are held out (the label was written from other evidence of this prototype) and read "
+          f"like an AUROC: 0.5 = the label says nothing, 1 = it singles the prototype out. Label score: against "
+          f"random other prototypes' contexts; sibling score: against its siblings' only, the prototypes that fire "
+          f"on the same tokens.</small>")
+    if card.get("siblings"):
+        md += "\n\n**Siblings** (same tokens; what separates them):\n" + "\n".join(
+            f"- #{s['prototype_id']} {html.escape(s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
+            f"{', sibling score ' + _shown_score(s['sibling_score']) if s.get('sibling_score') is not None else ''})"
+            + (f": {html.escape(s['separation'])}" if s.get("separation") else "")
+            for s in card["siblings"][:6])
     if card["coactive"]:
-        md += "  \nOften active with: " + ", ".join(
+        md += "\n\nOften active with: " + ", ".join(
             f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card["coactive"][:5])
     evidence = "".join(_evidence_html(e) for e in card["evidence"]) or "<p>No evidence rows for this prototype.</p>"
     data = {k: v for k, v in card.items() if k not in ("evidence",)}
@@ -331,6 +341,10 @@ def prototype(studio: Studio, prototype_id: float | str | None):
                         for e in card["evidence"]]
     return md, plots.signature_figure(card), plots.histogram_figure(card), evidence, json.loads(
         json.dumps(data, default=float))
+
+
+def _shown_score(x) -> str:
+    return "n/a" if x is None else f"{float(x):.3f}"
 
 
 def _evidence_html(row: dict) -> str:

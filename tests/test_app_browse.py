@@ -104,3 +104,19 @@ def test_the_map_marks_results_the_open_card_and_the_category(studio):
     plain = ui.map_plot(studio, "", table, None, "all")
     assert not any(t.name.startswith(("search results", "other categories")) or "open card" in t.name
                    for t in plain.data)
+
+
+def test_the_card_explains_both_scores_and_lists_the_siblings(studio):
+    from precompute import query
+
+    with_siblings = [p for p in range(studio.n_prototypes) if studio.db.run(query.siblings, p)]
+    assert with_siblings, "the tiny database should have prototypes that share tokens"
+    pid = with_siblings[0]
+    md, *_, data = ui.prototype(studio, pid)
+    siblings = studio.db.run(query.siblings, pid)
+    score = studio.db.run(lambda c: c.execute("SELECT sibling_score FROM labels WHERE prototype_id = ?",
+                                              [pid]).fetchone()[0])
+    assert f"sibling score {score:.3f}" in md and "against its siblings' only" in md
+    for s in siblings[:6]:
+        assert f"- #{s['prototype_id']} " in md and f"overlap {s['overlap']:.2f}" in md
+    assert [s["prototype_id"] for s in data["siblings"]] == [s["prototype_id"] for s in siblings]
