@@ -36,7 +36,8 @@ def _fill(path, seed=0, n=40):
         for rank in range(15):
             token = rng.choice([" " + rng.choice(sorted(MARKERS)), *OTHER, *OTHER])
             rows["sig"].append((pid, rank, rank, token, float(15 - rank)))
-    con.executemany("INSERT INTO labels VALUES (?, ?, ?, ?, ?, ?)", rows["labels"])
+    con.executemany("INSERT INTO labels (prototype_id, category, label, label_score, labeler, explanation) "
+                    "VALUES (?, ?, ?, ?, ?, ?)", rows["labels"])
     con.executemany("INSERT INTO next_tokens VALUES (?, ?, ?, ?, ?)", rows["next"])
     con.executemany("INSERT INTO logit_signatures VALUES (?, ?, ?, ?, ?)", rows["sig"])
     con.close()
