@@ -9,11 +9,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_app_support import ROOT, running_app, shared_assets
+from test_app_support import ROOT, changing_prototype, running_app, shared_assets
 
 from app import ui
-from app.core import GenerationSettings, Studio, side_by_side
-from prism import Interventions
+from app.core import GenerationSettings, Studio
 
 ARTIFACTS = ROOT / "test-artifacts"
 PROMPT = "the cat sat on the"
@@ -25,11 +24,7 @@ TIMEOUT = 60_000
 def app(tmp_path_factory):
     model, db = shared_assets(tmp_path_factory)
     studio = Studio.load(model, db)
-    settings = GenerationSettings(PROMPT, max_new_tokens=12)
-    original = studio.generate(settings)
-    changing = next(p for p in range(studio.n_prototypes)
-                    if side_by_side(original, studio.generate(settings, Interventions(suppress={p}))).first_change
-                    is not None)
+    changing = changing_prototype(studio, GenerationSettings(PROMPT, max_new_tokens=12))
     ARTIFACTS.mkdir(exist_ok=True)
     with running_app(model, db) as url:
         yield {"url": url, "studio": studio, "changing": changing}

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 from test_app_browser import new_page, set_number, shot
-from test_app_support import running_app, shared_assets
+from test_app_support import changing_prototype, running_app, shared_assets
 
 from app import ui
-from app.core import GenerationSettings, Studio, side_by_side
-from prism import Interventions
+from app.core import GenerationSettings, Studio
 
 PROMPT = "the cat sat on the"
 TOKENS = 12
@@ -22,11 +21,7 @@ TOKENS = 12
 def app(tmp_path_factory):
     model, db = shared_assets(tmp_path_factory)
     studio = Studio.load(model, db)
-    settings = GenerationSettings(PROMPT, max_new_tokens=TOKENS)
-    original = studio.generate(settings)
-    changing = next(p for p in range(studio.n_prototypes) if side_by_side(
-        original, studio.generate(settings, Interventions(suppress={p}, suppress_mode="reroute"))).first_change
-        is not None)
+    changing = changing_prototype(studio, GenerationSettings(PROMPT, max_new_tokens=TOKENS), "reroute")
     # a sampled continuation with a line break in its first half (the tiny tokenizer has a '\n' token)
     newline = next((seed, i) for seed in range(200) for i, step in enumerate(studio.generate(
         GenerationSettings(PROMPT, 24, temperature=1.5, seed=seed)).steps[:12]) if "\n" in step.text)
@@ -105,6 +100,7 @@ def test_a_copied_link_restores_the_same_texts_in_a_fresh_browser(browser, app):
     other = fresh.new_page()
     other.set_default_timeout(60_000)
     other.goto(link)
+    other.wait_for_selector("#proto-id")  # the page is built (checks below read its elements)
     other.wait_for_function(f"document.querySelectorAll('#intervened .textfield .token').length == {TOKENS}")
     other.wait_for_function("document.querySelector('#token-summary').innerText.includes('Token 3:')")
     assert (chips(other, "original"), chips(other, "intervened")) == texts
@@ -115,6 +111,7 @@ def test_a_copied_link_restores_the_same_texts_in_a_fresh_browser(browser, app):
 
     # a damaged link: a clear message, nothing applied, nothing generated
     other.goto(link[:-3] + "zzz")
+    other.wait_for_selector("#gen-status")
     other.wait_for_function("document.querySelector('#gen-status').innerText.includes('cannot be used')")
     assert "changed or cut off" in other.inner_text("#gen-status")
     assert other.locator("#prompt textarea").input_value() != PROMPT and chips(other, "original") == []

@@ -8,7 +8,7 @@ import html
 
 import pytest
 import torch
-from test_app_support import shared_assets
+from test_app_support import changing_prototype, shared_assets
 
 from app import plots, ui
 from app.core import AppError, GenerationSettings, Studio, side_by_side
@@ -30,16 +30,6 @@ def bare(tmp_path_factory):
     return Studio.load(model)
 
 
-def _changing_prototype(studio, settings, mode="zero"):
-    """A prototype whose suppression changes the greedy continuation (the tiny model has several)."""
-    original = studio.generate(settings)
-    for pid in range(studio.n_prototypes):
-        gen = studio.generate(settings, Interventions(suppress={pid}, suppress_mode=mode))
-        if side_by_side(original, gen).first_change is not None:
-            return pid
-    pytest.fail("no single prototype changes the tiny model's text")
-
-
 def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(1.0, abs(b))
 
@@ -49,9 +39,9 @@ def close(a: float, b: float) -> bool:
 def test_decomposition_sums_to_the_real_logit(studio, interventions):
     settings = GenerationSettings(PROMPT, max_new_tokens=6)
     if interventions == "suppress":
-        interventions = Interventions(suppress={_changing_prototype(studio, settings)})
+        interventions = Interventions(suppress={changing_prototype(studio, settings)})
     elif interventions == "reroute":
-        pid = _changing_prototype(studio, settings, "reroute")
+        pid = changing_prototype(studio, settings, "reroute")
         interventions = Interventions(suppress={pid}, suppress_mode="reroute")
     elif interventions == "scale":
         interventions = Interventions(scale={0: 2.5, 5: 0.5})
@@ -93,7 +83,7 @@ def test_decomposition_sums_to_the_real_logit(studio, interventions):
 @pytest.mark.parametrize("sample", [False, True])
 def test_intervened_continuation_equals_model_generate(studio, sample):
     settings = GenerationSettings(PROMPT, max_new_tokens=8, temperature=0.9 if sample else 0.0, top_p=0.9, seed=3)
-    interventions = Session().add(suppress_item(_changing_prototype(studio, GenerationSettings(PROMPT, 8)))) \
+    interventions = Session().add(suppress_item(changing_prototype(studio, GenerationSettings(PROMPT, 8)))) \
         .add(scale_item(1, 1.7)).interventions()
     gen = studio.generate(settings, interventions)
     ids = torch.tensor([gen.prompt_ids])
@@ -107,7 +97,7 @@ def test_intervened_continuation_equals_model_generate(studio, sample):
 @torch.no_grad()
 def test_why_changed_names_prototypes_that_really_flip_the_token(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8)
-    pid = _changing_prototype(studio, settings)
+    pid = changing_prototype(studio, settings)
     # several interventions, only some of which matter at the first change
     interventions = Interventions(suppress={pid, (pid + 1) % studio.n_prototypes}, scale={(pid + 2) % 24: 1.5})
     original = studio.generate(settings)
@@ -143,7 +133,7 @@ def test_why_changed_names_prototypes_that_really_flip_the_token(studio):
 @torch.no_grad()
 def test_why_changed_under_reroute_names_the_replacements(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8)
-    pid = _changing_prototype(studio, settings, "reroute")
+    pid = changing_prototype(studio, settings, "reroute")
     interventions = Interventions(suppress={pid}, suppress_mode="reroute")
     original = studio.generate(settings)
     intervened = studio.generate(settings, interventions)
@@ -288,7 +278,7 @@ def test_bad_input_gets_a_message(studio):
 
 
 def test_generate_and_decompose_handlers(studio):
-    session = Session().add(suppress_item(_changing_prototype(studio, GenerationSettings(PROMPT, 6))))
+    session = Session().add(suppress_item(changing_prototype(studio, GenerationSettings(PROMPT, 6))))
     outputs, seen = [], []
     for out in ui.generate(studio, PROMPT, 6, 0, 1, 0, session):
         outputs.append(out)

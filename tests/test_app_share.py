@@ -15,12 +15,11 @@ import gradio as gr
 import pandas as pd
 import pytest
 import torch
-from test_app_support import build_tiny_controller, shared_assets
+from test_app_support import build_tiny_controller, changing_prototype, shared_assets
 
 from app import export, share, ui
-from app.core import AppError, GenerationSettings, Studio, side_by_side
+from app.core import AppError, GenerationSettings, Studio
 from app.session import Session, group_item, scale_item, suppress_item
-from prism import Interventions
 
 PROMPT = "the cat sat on the"
 
@@ -29,15 +28,6 @@ PROMPT = "the cat sat on the"
 def studio(tmp_path_factory):
     model, db = shared_assets(tmp_path_factory)
     return Studio.load(model, db)
-
-
-def changing(studio, settings) -> int:
-    original = studio.generate(settings)
-    for pid in range(studio.n_prototypes):
-        gen = studio.generate(settings, Interventions(suppress={pid}, suppress_mode="reroute"))
-        if side_by_side(original, gen).first_change is not None:
-            return pid
-    pytest.fail("no single prototype changes the tiny model's text")
 
 
 def pack(data: dict) -> str:
@@ -66,7 +56,7 @@ def texts(studio, settings: GenerationSettings, session: Session) -> tuple[list[
 @pytest.fixture(scope="module")
 def state(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11)
-    pid = changing(studio, replace(settings, temperature=0.0))
+    pid = changing_prototype(studio, replace(settings, temperature=0.0), "reroute")
     session = (Session().add(suppress_item(pid, studio.label(pid)[0])).add(scale_item((pid + 1) % 24, 2.5))
                .add(group_item("category", "a group", [(pid + 2) % 24, (pid + 3) % 24])).with_suppress_mode("zero"))
     return settings, session

@@ -67,6 +67,22 @@ def shared_assets(tmp_path_factory) -> tuple[Path, Path]:
     return model, build_tiny_db(root, model)
 
 
+def changing_prototype(studio, settings, mode: str = "zero") -> int:
+    """A prototype whose suppression (in `mode`) changes the continuation of `settings` (the tiny model has
+    several); the test fails when there is none."""
+    import pytest
+
+    from app.core import side_by_side
+    from prism import Interventions
+
+    original = studio.generate(settings)
+    for pid in range(studio.n_prototypes):
+        gen = studio.generate(settings, Interventions(suppress={pid}, suppress_mode=mode))
+        if side_by_side(original, gen).first_change is not None:
+            return pid
+    pytest.fail("no single prototype changes the tiny model's text")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

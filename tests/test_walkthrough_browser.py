@@ -22,6 +22,16 @@ MARKERS = PRESETS["kjv-register"].marker_pattern()
 CHANGED_RGB = "rgba(255, 45, 45"  # the highlight of a token the interventions changed
 
 
+def open_with_prompt(browser, app: str, prompt: str):
+    """A new page on the app with `prompt` typed in."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT)
+    page.goto(app)
+    page.wait_for_selector("#prompt textarea")
+    page.fill("#prompt textarea", prompt)
+    return page
+
+
 def walkthrough_settings() -> dict:
     """Prompt, temperature and seed of the README walkthrough's step 1."""
     text = (ROOT / "README.md").read_text()
@@ -50,11 +60,7 @@ def app():
 
 def test_readme_walkthrough_removes_the_register_and_names_the_replacements(browser, app):
     settings = walkthrough_settings()
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(TIMEOUT)
-    page.goto(app)
-    page.wait_for_selector("#prompt textarea")
-    page.fill("#prompt textarea", settings["prompt"])
+    page = open_with_prompt(browser, app, settings["prompt"])
     set_number(page, "temperature", settings["temperature"])
     set_number(page, "seed", settings["seed"])
     page.click("#generate")
@@ -123,11 +129,7 @@ def test_the_text_streams_and_stop_keeps_what_was_written(browser, app):
     """Tokens appear while the model writes (SmolLM2 on CPU writes a few per second), Stop ends the run and keeps
     them, and a token written before Stop can be explained."""
     settings = walkthrough_settings()
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(TIMEOUT)
-    page.goto(app)
-    page.wait_for_selector("#prompt textarea")
-    page.fill("#prompt textarea", settings["prompt"])
+    page = open_with_prompt(browser, app, settings["prompt"])
     set_number(page, "max-new", 200)
     page.click("#generate")
     page.wait_for_function("document.querySelectorAll('#original .textfield .token').length >= 3")
