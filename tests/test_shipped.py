@@ -146,3 +146,19 @@ def test_shipped_controller_belongs_to_the_default_model_and_acts_exactly(shippe
     assert bool(changed.any()) and not bool((changed & ~active_moved).any())  # only where a moved one is active
     d = shipped.model.decompose(ids, position=-1, interventions=iv)
     assert abs(d.residual + sum(d.contributions) - d.logit) <= 1e-4 * max(1.0, abs(d.logit))
+
+
+def test_labels_meet_the_goals_of_issue_14():
+    """Labeler v2 on the shipped bank: distinct, no catch-alls, both held-out scores above the goals."""
+    from bench.label_goals import measure
+
+    con = connect(_db(), read_only=True)
+    try:
+        result = measure(con)
+        assert result["labeler"] == "offline-v2"
+        assert all(result["goals_met"].values()), result
+        pid = con.execute("SELECT prototype_id FROM label_siblings ORDER BY prototype_id LIMIT 1").fetchone()[0]
+        siblings = query.siblings(con, pid)
+        assert siblings and all(s["label"] and s["separation"] for s in siblings)
+    finally:
+        con.close()
