@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-evidence", type=int, default=6,
                         help="evidence contexts in the prompt (the labels job's prompt has 12; a 135M model copes "
                              "better with fewer)")
+    parser.add_argument("--only-cached", action="store_true",
+                        help="compare only the drawn prototypes the cache already labels (no model run)")
     parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping the model's labels")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         job = json.loads(con.execute("SELECT args_json FROM runs WHERE job = 'labels'").fetchone()[0])
         ids = pick(con, args.n, args.seed)
+        if args.only_cached:
+            cached = json.loads(args.cache.read_text()) if args.cache is not None and args.cache.is_file() else {}
+            ids = [i for i in ids if str(i) in cached]
         llm = llm_labels(con, ids, model, args.cache, args.max_new_tokens, args.prompt_evidence)
         v2 = {pid: (label, score, sib) for pid, label, score, sib in con.execute(
             "SELECT prototype_id, label, label_score, sibling_score FROM labels WHERE list_contains(?, prototype_id)",
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
              "llm_sibling_score": scores.get(i, (None, None))[1]} for i in ids]
     on_ok = [r for r in rows if r["llm"] is not None]
     result = {
-        "db": args.db, "n": len(ids), "seed": args.seed, "llm_model": Path(model).name,
+        "db": args.db, "n": len(ids), "drawn": args.n, "seed": args.seed, "llm_model": Path(model).name,
         "prompt_evidence": args.prompt_evidence, "max_new_tokens": args.max_new_tokens, "v2_labeler": job["labeler"],
         "llm_not_json": sum(1 for i in ids if not llm[str(i)].get("json")),
         "llm_distinct_labels": len({r["llm"] for r in on_ok}),

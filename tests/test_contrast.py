@@ -200,3 +200,18 @@ def test_profile_counts_context_facts():
     assert p.words["sons"] == 4 and "the" not in p.words  # function words are not context words
     assert contrast._source_phrase(p) == "in Bible verse (Zorb)".removeprefix("in ")
     assert np.isclose(p.share("prev", "of"), 1.0)
+
+
+def test_label_goals_bench_measures_the_database(db, capsys):
+    from bench.label_goals import main
+
+    path, rows = db
+    (result,) = main(["--db", str(path), "--draw", "2", "--seed", "1"])
+    live = len(PROTOTYPES)
+    assert result["live_prototypes"] == live and result["distinct_share"] == 1.0 and result["catch_all_share"] == 0
+    scores = [r[3] for pid, r in rows.items() if pid in PROTOTYPES]
+    assert result["mean_label_score"] == pytest.approx(sum(scores) / live, abs=1e-4)
+    assert result["with_sibling_score"] == len(THE)
+    assert len(result["drawn"]) == 2 and all(len(d["evidence"]) == 3 and d["evidence"][0]["token"]
+                                             for d in result["drawn"])
+    assert '"goals_met"' in capsys.readouterr().out
