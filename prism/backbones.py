@@ -11,12 +11,13 @@ cache; later loads take about a second. PRISM.md section 6.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import logging
 import os
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,32 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load a tokenizer for {spec!r}: {err}") from err
+
+
+# Special tokens that end a text in the common chat and base vocabularies (SmolLM2 has the first two).
+END_OF_TEXT_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>")
+
+
+def end_of_text_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's eos id first, then every other end-of-text token its vocabulary holds."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    vocab = tokenizer.get_vocab()
+    ids += [int(vocab[t]) for t in END_OF_TEXT_TOKENS if t in vocab and int(vocab[t]) not in ids]
+    return ids
+
+
+def generation_config_for(tokenizer: PreTrainedTokenizerBase,
+                          base: GenerationConfig | None = None) -> GenerationConfig:
+    """A generation config (generation_config.json) that stops at every end-of-text id of the tokenizer; its pad id
+    is the tokenizer's (else the first end-of-text id), bos the tokenizer's."""
+    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    eos = end_of_text_ids(tokenizer)
+    if eos:
+        config.eos_token_id = eos if len(eos) > 1 else eos[0]
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [None])[0]
+    if tokenizer.bos_token_id is not None:
+        config.bos_token_id = tokenizer.bos_token_id
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

