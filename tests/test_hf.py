@@ -330,3 +330,75 @@ def test_lm_eval_command_loads_the_folder_through_prism_harness(folder, tmp_path
                for line in f.read_text().splitlines()]
     _check_lm_eval_results({"results": {"prism_tiny_mc": {"acc,none": acc}}, "samples": {"prism_tiny_mc": samples}},
                            folder["model"].eval(), load_tokenizer(str(folder["path"])))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shipped default (assets/model, trainable-only over SmolLM2-135M): what the "done when" names.
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from app.assets import DEFAULT_MODEL
+
+    auto = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL)
+    return {"path": DEFAULT_MODEL, "model": auto, "tokenizer": load_tokenizer(str(DEFAULT_MODEL))}
+
+
+def test_shipped_model_loads_through_auto_classes_like_the_class(shipped):
+    auto, tokenizer = shipped["model"], shipped["tokenizer"]
+    assert type(auto) is PrismForCausalLM and auto.config.weights == "trainable"
+    direct = PrismForCausalLM.from_pretrained(shipped["path"])
+    ids = tokenizer("The river flows into the", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(auto(ids).logits, direct(ids).logits, rtol=0, atol=0)
+    eos = auto.generation_config.eos_token_id
+    assert eos == end_of_text_ids(tokenizer) and set(eos) == {tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                                               tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+
+
+def test_shipped_model_samples_with_top_k_a_streamer_and_a_stop_under_interventions(shipped):
+    model, tokenizer = shipped["model"], shipped["tokenizer"]
+    ids = tokenizer("In the beginning God created", return_tensors="pt").input_ids
+    with torch.no_grad():
+        plain = model(ids)
+    iv = Interventions(suppress=set(plain.prototype_ids[0, -1, :3].tolist()), suppress_mode="reroute")
+    settings = dict(do_sample=True, temperature=0.9, top_k=20, seed=5)
+    steps = list(model.stream(ids, 6, interventions=iv, **settings))
+    expected = [int(s.token_ids[0]) for s in steps]
+    stop_token = expected[3]
+    expected = expected[:expected.index(stop_token) + 1]
+    record = _Record()
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=model.generate(
+        ids, max_new_tokens=6, interventions=iv, streamer=streamer, logits_processor=LogitsProcessorList([record]),
+        stopping_criteria=StoppingCriteriaList([_StopAfter(stop_token)]), **settings)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    generated = result["out"][0, ids.shape[1]:].tolist()
+    assert generated[:len(expected)] == expected
+    assert len(generated) == len(expected) or set(generated[len(expected):]) <= set(end_of_text_ids(tokenizer))
+    assert text == tokenizer.decode(result["out"][0, ids.shape[1]:])
+    with torch.no_grad():
+        intervened = model(ids, interventions=iv).logits[0, -1]
+    torch.testing.assert_close(record.scores[0][0], intervened.float(), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(intervened, plain.logits[0, -1], atol=1e-3)  # the suppression moved the logits
+
+
+def test_lm_eval_scores_the_shipped_model(shipped, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana", "seven"], "answer": 0},
+            {"question": "One, two, three,", "choices": ["purple", "four"], "answer": 1},
+            {"question": "The sun rises in the", "choices": ["east", "spoon"], "answer": 0}]
+    model, tokenizer = shipped["model"], shipped["tokenizer"]
+    tasks = write_task(tmp_path / "tasks", docs)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4)
+    results = simple_evaluate(model=lm, tasks=["prism_tiny_mc"], task_manager=TaskManager(include_path=str(tasks)),
+                              log_samples=True)
+    _check_lm_eval_results(results, model, tokenizer, docs)
