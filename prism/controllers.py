@@ -212,7 +212,7 @@ def bank_fingerprint(model: PrismForCausalLM) -> str:
     """sha256 of the prototype bank: every trained checkpoint has its own."""
     digest = hashlib.sha256()
     digest.update(json.dumps([model.config.n_prototypes, model.d_model, model.vocab_size]).encode())
-    digest.update(model.prototypes.weight.detach().float().contiguous().numpy().tobytes())
+    digest.update(model.prototypes.weight.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

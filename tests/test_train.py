@@ -15,7 +15,7 @@ from helpers import tiny_backbone_dir, write_corpus
 from safetensors.torch import load_file
 
 from prism import PrismConfig, PrismForCausalLM
-from prism.backbones import load_backbone
+from prism.backbones import load_backbone, load_tokenizer
 from prism.train import TrainArgs, batch_indices, build_parser, init_prototypes, main, reseed_dead, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +65,9 @@ def test_modes_train_the_right_parameters(setup, tmp_path, mode):
     assert log[-1]["rec"] < log[0]["rec"], "the prototypes should learn to reconstruct the states"
     model = PrismForCausalLM.from_pretrained(final)
     assert model.config.n_prototypes == 24 and (final / "tokenizer.json").exists()
+    # generate stops at the tokenizer's end of text: generation_config.json is written from the tokenizer
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == \
+        load_tokenizer(str(final)).eos_token_id == model.generation_config.eos_token_id
 
 
 def test_gpt2_backbone_trains_in_top_mode(setup, tmp_path):
