@@ -1,7 +1,10 @@
 """PRISM model: any transformers causal LM whose prediction is routed through a sparse prototype bank.
 
 Reads top to bottom: interventions (values passed per call), the prototype bank, the outputs, then the wrapper
-model with forward, decompose, generate and checkpoint I/O. The math is PRISM.md section 1:
+model with forward, decompose, generation and checkpoint I/O. The wrapper is a transformers PreTrainedModel with
+GenerationMixin: `import prism` registers it with the Auto classes, generate() is transformers' own (every decoding
+option, with interventions applied at every step) and stream() is the explain-while-generating loop over the same
+forward. The math is PRISM.md section 1:
 
     sims_t   = cos(z_t, p_i) for all i                       (B, T, K)
     K_t      = top-k of sims_t,  a_{t,i} = ReLU(sims_t,i)    (B, T, k)
@@ -19,6 +22,7 @@ Usage:
     out = model(input_ids, labels=input_ids)
     d = model.decompose(input_ids, position=-1)
     ids = model.generate(input_ids, max_new_tokens=20, interventions=Interventions(suppress={3}))
+    model = AutoModelForCausalLM.from_pretrained(folder)      # after `import prism`
 """
 
 from __future__ import annotations
@@ -582,7 +586,9 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
 
         interventions apply to every position computed, so transformers' generate, which passes its extra keyword
         arguments to every step, applies them at every generated token. logits_to_keep=n > 0 runs the prototype head
-        on the last n positions only (generate asks for 1); it is ignored when labels are given.
+        on the last n positions only (generate asks for 1); it is ignored when labels are given. Other transformers
+        keyword arguments (return_dict, output_attentions, ...) are accepted and not used: hidden states and
+        attentions are not returned (out.z is the final state).
         """
         self._check_input_ids(input_ids)
         if interventions is not None:
@@ -814,8 +820,10 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         """
         path = Path(pretrained_model_name_or_path)
         local = path.exists() or path.is_absolute() or str(pretrained_model_name_or_path).startswith(".")
-        if not local:  # a hub id: transformers resolves and downloads it
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if not local:  # a hub id: a full checkpoint is transformers' business, a trainable-only one is fetched
+            path = _fetch_trainable(str(pretrained_model_name_or_path), kwargs)
+            if path is None:
+                return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not config_file.is_file() or not weights_file.is_file():
             raise FileNotFoundError(f"{path} is not a PRISM checkpoint: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
@@ -873,6 +881,21 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(device_map, (str, torch.device, int)) and device_map != "auto":
             model = model.to(device_map)
         return model.eval()
+
+
+def _fetch_trainable(repo_id: str, kwargs: dict) -> Path | None:
+    """The local (cached) folder of a trainable-only checkpoint on the hub, or None for a full one, which
+    transformers' loader downloads itself (shards included)."""
+    from transformers.utils import cached_file
+
+    hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only", "force_download")
+           if k in kwargs}
+    config_file = Path(cached_file(repo_id, CONFIG_NAME, **hub))
+    if upgrade_config(json.loads(config_file.read_text())).get("weights") != "trainable":
+        return None
+    cached_file(repo_id, WEIGHTS_NAME, **hub)
+    cached_file(repo_id, GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub)
+    return config_file.parent  # the snapshot folder holding all three
 
 
 def upgrade_config(meta: dict) -> dict:

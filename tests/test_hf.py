@@ -128,6 +128,20 @@ def test_auto_model_loads_a_trainable_only_checkpoint_and_the_first_format(folde
         torch.testing.assert_close(PrismForCausalLM.from_pretrained(old)(ids).logits, expected)
 
 
+def test_hub_checkpoints_are_resolved_by_weight_kind(folder, tmp_path):
+    """A hub id resolves through transformers' cached_file, which also reads local folders (no hub here): a
+    trainable-only checkpoint is fetched file by file and loaded by PRISM, a full one is left to transformers."""
+    from prism.model import _fetch_trainable
+
+    model = folder["model"]
+    model.requires_grad_(False)
+    model.prototypes.requires_grad_(True)
+    model.save_pretrained(tmp_path / "trainable", trainable_only=True)
+    model.requires_grad_(True)
+    assert _fetch_trainable(str(tmp_path / "trainable"), {}) == tmp_path / "trainable"
+    assert _fetch_trainable(str(folder["path"]), {}) is None
+
+
 def test_generation_config_stops_at_the_tokenizers_end_of_text_ids(folder, tmp_path):
     tokenizer = load_tokenizer(str(folder["path"]))
     eos = end_of_text_ids(tokenizer)
