@@ -7,9 +7,10 @@
 Over the live prototypes (activation_count > 0): the share with a label no other live prototype has (goal >= 95%),
 the share of catch-all labels ("mixed tokens" and the like, precompute.contrast.CATCH_ALL; goal <= 3%), the mean
 label_score (goal >= 0.85) and the mean sibling_score (goal >= 0.70; over the prototypes that have siblings, NULL
-in databases made before it existed). --draw adds seeded random labels with their top evidence pointers: the token
-(read from the installed corpus for a pointer-only database), the word before and after it, and the document id;
-never more of the corpus text.
+in databases made before it existed; --rescore computes both scores of the stored labels afresh with the labels job's
+scoring code, which gives a sibling_score to labels made before it). --draw adds seeded random labels with their top
+evidence pointers: the token (read from the installed corpus for a pointer-only database), the word before and after
+it, and the document id; never more of the corpus text.
 """
 
 from __future__ import annotations
@@ -56,6 +57,26 @@ def measure(con: duckdb.DuckDBPyConnection) -> dict:
     return out
 
 
+def rescore(con: duckdb.DuckDBPyConnection) -> dict:
+    """Both held-out scores of the stored labels of the live prototypes, computed as the labels job does now (its
+    stored seed and negatives): {mean_label_score, mean_sibling_score, with_sibling_score}."""
+    from precompute import contrast
+    from precompute.labels import N_NEGATIVES, negative_pool
+
+    row = con.execute("SELECT args_json FROM runs WHERE job = 'labels'").fetchone()
+    job = json.loads(row[0]) if row else {}
+    pool = negative_pool(con, job.get("n_negatives", N_NEGATIVES), job.get("seed", 0))
+    ctx = contrast.build_context(con, pool, job.get("seed", 0))
+    items = con.execute("SELECT l.prototype_id, l.label FROM labels l JOIN prototype_stats s USING (prototype_id) "
+                        "WHERE s.activation_count > 0 ORDER BY l.prototype_id").fetchall()
+    scores = contrast.score_labels(ctx, pool, items)
+    label = [a for a, _ in scores if a is not None]
+    sibling = [b for _, b in scores if b is not None]
+    return {"mean_label_score": round(sum(label) / len(label), 4) if label else None,
+            "mean_sibling_score": round(sum(sibling) / len(sibling), 4) if sibling else None,
+            "with_sibling_score": len(sibling)}
+
+
 def _word(pieces: list[str], start: int, step: int) -> str:
     i = start
     while 0 <= i < len(pieces):
@@ -89,12 +110,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--db", action="append", required=True, help="a precompute database (repeatable)")
     parser.add_argument("--draw", type=int, default=0, help="also draw this many labels with their evidence")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    parser.add_argument("--rescore", action="store_true",
+                        help="also score the stored labels afresh (embeds every evidence context: minutes)")
     args = parser.parse_args(argv)
     results = []
     for path in args.db:
         con = duckdb.connect(path, read_only=True)
         try:
             result = {"db": path, **measure(con)}
+            if args.rescore:
+                result["rescored"] = rescore(con)
             if args.draw:
                 result["drawn"] = draw(con, args.draw, args.seed)
         finally:

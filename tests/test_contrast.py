@@ -206,12 +206,14 @@ def test_label_goals_bench_measures_the_database(db, capsys):
     from bench.label_goals import main
 
     path, rows = db
-    (result,) = main(["--db", str(path), "--draw", "2", "--seed", "1"])
+    (result,) = main(["--db", str(path), "--draw", "2", "--seed", "1", "--rescore"])
     live = len(PROTOTYPES)
     assert result["live_prototypes"] == live and result["distinct_share"] == 1.0 and result["catch_all_share"] == 0
     scores = [r[3] for pid, r in rows.items() if pid in PROTOTYPES]
     assert result["mean_label_score"] == pytest.approx(sum(scores) / live, abs=1e-4)
     assert result["with_sibling_score"] == len(THE)
+    assert result["rescored"]["mean_label_score"] == pytest.approx(result["mean_label_score"], abs=1e-4)
+    assert result["rescored"]["mean_sibling_score"] == pytest.approx(result["mean_sibling_score"], abs=1e-4)
     assert len(result["drawn"]) == 2 and all(len(d["evidence"]) == 3 and d["evidence"][0]["token"]
                                              for d in result["drawn"])
     assert '"goals_met"' in capsys.readouterr().out
