@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", default=",".join(DEFAULT_JOBS),
                    help=f"comma-separated subset of {', '.join(JOBS)} (attribution only when named)")
     attribution.add_arguments(b.add_argument_group("attribution"), shared=True)
-    b.add_argument("--labeler", default="offline", help="offline | openai | local")
+    b.add_argument("--labeler", default="offline", choices=("offline", "offline-v1", "openai", "local"),
+                   help="offline: labeler v2 (against siblings); offline-v1: the first, token-rule labeler")
     b.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL for --labeler openai")
     b.add_argument("--llm-model", default=None, help="model name (openai) or local folder (local)")
     b.add_argument("--seed", type=int, default=0, help="seed of the map layout and label scores")
