@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="default: the training run's")
     parser.add_argument("--max-val-tokens", type=int, help="evaluate on at most this many held-out tokens")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--out", help="JSON file to write (default: CHECKPOINT/eval.json)")
+    parser.add_argument("--out", help="JSON file to write the results to (default: none, the table is printed; "
+                                      "nothing is ever written into the checkpoint folder unless --out names it)")
     return parser
 
 
@@ -173,10 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
         results = run(args)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval.json"
-    out.write_text(json.dumps(results, indent=2))
     print(format_table(results))  # noqa: T201 - the command's output
-    logger.info("wrote %s", out)
+    if args.out:  # only where asked: evaluating a shipped model must not change its folder
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        logger.info("wrote %s", out)
     return results
 
 

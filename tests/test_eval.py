@@ -49,6 +49,11 @@ def test_eval_reports_what_a_direct_computation_gives(runs, capsys):
     assert json.loads(out_file.read_text()) == json.loads(json.dumps(results))
     printed = capsys.readouterr().out
     assert "prism" in printed and "dense" in printed and "backbone" in printed
+    # without --out nothing is written anywhere, least of all into the checkpoint folder
+    before = {p: p.stat().st_mtime_ns for p in runs["prism"].rglob("*")}
+    again = eval_main(["--checkpoint", str(runs["prism"]), "--no-backbone", "--batch-size", "3"])
+    assert again["prism"] == results["prism"]
+    assert {p: p.stat().st_mtime_ns for p in runs["prism"].rglob("*")} == before
 
     ids = _val_blocks(runs)
     assert results["split"]["blocks"] == len(ids) > 0
