@@ -14,6 +14,8 @@ from test_app_support import ROOT, changing_prototype, running_app, shared_asset
 from app import ui
 from app.core import GenerationSettings, Studio
 
+pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
+
 ARTIFACTS = ROOT / "test-artifacts"
 PROMPT = "the cat sat on the"
 CHANGED_RGB = "rgba(255, 45, 45"

@@ -16,6 +16,8 @@ from app.session import Session
 from precompute import attribution as cache
 from prism.attribution import query_gradient
 
+pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
+
 ARTIFACTS = ROOT / "test-artifacts"
 PROMPT = "the cat sat on the"
 TOKENS = 8

@@ -14,6 +14,8 @@ from test_app_support import ROOT, build_tiny_controller, running_app, shared_as
 
 from app.core import Studio
 
+pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
+
 ARTIFACTS = ROOT / "test-artifacts"
 PROMPT = "the cat sat on the"
 TOKENS = 8

@@ -13,6 +13,8 @@ from test_app_support import changing_prototype, running_app, shared_assets
 from app import ui
 from app.core import GenerationSettings, Studio
 
+pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
+
 PROMPT = "the cat sat on the"
 TOKENS = 12
 

@@ -13,6 +13,8 @@ from app.core import GenerationSettings, Studio
 from app.session import DEFAULT_SUPPRESS_MODE
 from prism import Interventions
 
+pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
+
 N_USERS = 8
 PROMPT = "the cat sat on the"
 TOKENS = 6

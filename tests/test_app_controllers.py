@@ -102,6 +102,7 @@ def test_handler_switches_the_controller_on_for_this_session_only(studio, contro
     assert status.startswith("⚠️")
 
 
+@pytest.mark.slow
 def test_controller_endpoint_over_http(assets, controller_file):
     gradio_client = pytest.importorskip("gradio_client")
     model, db = assets

@@ -283,6 +283,7 @@ def test_where_the_approximation_leaves_nothing_out_cached_equals_reference(setu
         con.close()
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     for where in ("fit:2", "vectors:2"):
         db = tmp_path / f"killed-{where.replace(':', '')}.duckdb"
@@ -338,6 +339,7 @@ def test_pointer_only_database_reads_attribution_text_back(setup, tmp_path):
 # The EK-FAC peer and the benchmark.
 
 
+@pytest.mark.slow
 def test_ekfac_peer_uses_the_same_loss_and_finds_the_planted_sequence(setup, loaded, tmp_path):
     from prism.attribution_ekfac import EkfacPeer, PrismLanguageModelingTask, SequenceDataset, TopLayers
 
@@ -372,6 +374,7 @@ def test_ekfac_peer_uses_the_same_loss_and_finds_the_planted_sequence(setup, loa
     assert int(scores[0].argmax()) == sid  # the exact duplicate
 
 
+@pytest.mark.slow
 def test_bench_runs_end_to_end_on_a_tiny_model(setup, tmp_path, capsys):
     bench = importlib.import_module("bench.attribution")
     result = bench.main(["--model", setup["model"], "--db", str(tmp_path / "bench.duckdb"), "--corpus",

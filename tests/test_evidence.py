@@ -117,6 +117,7 @@ def test_evidence_is_exact_and_matches_brute_force(setup, built):
     assert [t for t, _ in signature] == wp.topk(len(signature)).indices.tolist()
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     db = tmp_path / "killed.duckdb"
     env = {**os.environ, "PYTHONPATH": str(ROOT), KILL_HOOK: "3"}
@@ -143,6 +144,7 @@ def test_rerun_is_idempotent_and_other_arguments_are_refused(setup, built, tmp_p
     assert _dump(built) == before
 
 
+@pytest.mark.slow
 def test_two_processes_shard_and_merge_to_the_same_evidence(setup, built, tmp_path):
     db = tmp_path / "ddp.duckdb"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -312,6 +312,7 @@ def _check_lm_eval_results(results, model, tokenizer, docs=DOCS, name="prism_tin
     assert results["results"][name]["acc,none"] == pytest.approx(sum(correct) / len(correct))
 
 
+@pytest.mark.slow
 def test_lm_eval_hflm_scores_the_model_like_an_independent_computation(folder, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -327,6 +328,7 @@ def test_lm_eval_hflm_scores_the_model_like_an_independent_computation(folder, t
     _check_lm_eval_results(results, model, tokenizer)
 
 
+@pytest.mark.slow
 def test_lm_eval_command_loads_the_folder_through_prism_harness(folder, tmp_path, monkeypatch):
     """The README's command: `python -m prism.harness` is lm-eval's command line with prism registered."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -400,6 +402,7 @@ def test_shipped_model_samples_with_top_k_a_streamer_and_a_stop_under_interventi
     assert not torch.allclose(intervened, plain.logits[0, -1], atol=1e-3)  # the suppression moved the logits
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_the_shipped_model(shipped, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -367,6 +367,7 @@ def _run_until_killed(db: Path, n_chunks: int) -> str:
     return "".join(log)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_chunk_then_resume_equals_an_uninterrupted_run(labelled, tmp_path):
     db = build_evidence_db(tmp_path / "killed.duckdb")
     log = _run_until_killed(db, n_chunks=3)

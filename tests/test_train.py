@@ -185,6 +185,7 @@ def test_batch_order_is_a_pure_function_of_the_step():
     assert sorted(np.concatenate(split).tolist()) == sorted(batch_indices(40, 2, 4, 0, 1, seed=3).tolist())
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process_on_the_same_global_batch(setup, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # L_R1 takes a max over the batch, which DDP computes per rank (a documented difference), so it is off here;

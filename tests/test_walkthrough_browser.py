@@ -16,6 +16,8 @@ from app import ui
 from app.assets import DEFAULT_MODEL, resolve_db
 from precompute.presets import PRESETS
 
+pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
+
 ARTIFACTS = ROOT / "test-artifacts"
 TIMEOUT = 180_000
 MARKERS = PRESETS["kjv-register"].marker_pattern()
