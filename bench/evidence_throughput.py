@@ -23,7 +23,7 @@ from precompute.evidence import EvidenceArgs, RankState, document_windows, proce
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/evidence_throughput.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--batches", type=int, default=12, help="timed batches (after one warm-up)")

@@ -56,7 +56,7 @@ def timed(fn, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/query_latency.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--db", required=True)
     parser.add_argument("--scale-to", type=int, default=None, help="replicate prototypes up to this many")
     parser.add_argument("--repeats", type=int, default=200)

@@ -430,13 +430,6 @@ def test_bench_resume_reruns_only_the_unfinished_level(setup, tmp_path, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("module", ["precompute.attribution", "bench.attribution"])
-def test_help(module):
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    assert proc.returncode == 0 and "usage:" in proc.stdout
-
-
 def test_cached_index_sorts_rows_and_scores_sparsely():
     """Rows given out of order are grouped by prototype with their entries; a query reads only its prototypes and
     a score is the projected part minus the exact one-hot part, sum a (h . W[y])."""
