@@ -39,12 +39,12 @@ def index_for(studio: Studio, db: Database) -> CachedIndex:
 
 def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:
     """The top training sequences for generated token `index` of `gen`, with scores, documents and spans."""
-    db = studio._need_db()
+    db = studio.need_db()
     cached = index_for(studio, db)
     if cached.n_prototypes != studio.n_prototypes:
         raise AppError(f"the attribution cache describes {cached.n_prototypes} prototypes but the model has "
                        f"{studio.n_prototypes}: rebuild it for this model")
-    index, position = studio._position(gen, index)
+    index, position = studio.token_position(gen, index)
     token = gen.steps[index].token_id
     z = studio.final_states(gen)[position]  # (d,)
     ids, rows = query_gradient(studio.model, None, position, token, z=z)

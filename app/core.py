@@ -347,7 +347,8 @@ class Studio:
             gen.z = z[0]
         return gen.z
 
-    def _position(self, gen: Generation, index) -> tuple[int, int]:
+    def token_position(self, gen: Generation, index) -> tuple[int, int]:
+        """(generated-token index, the sequence position whose logits chose it); AppError for a bad index."""
         try:
             index = int(index)
         except (TypeError, ValueError):
@@ -359,7 +360,7 @@ class Studio:
     @torch.no_grad()
     def token_view(self, gen: Generation, index: int, n_alternatives: int = 5) -> TokenView:
         """Decomposition of generated token `index` and of the top alternatives at its position."""
-        index, position = self._position(gen, index)
+        index, position = self.token_position(gen, index)
         z = self.final_states(gen)[position][None, None]  # (1, 1, d)
         out = self.model.head(z, gen.interventions)
         logits = out.logits[0, 0]  # (V,)
@@ -393,7 +394,7 @@ class Studio:
         exactly to the change of that margin); the flip set is the shortest run of the strongest effects whose
         intervention alone makes the model (greedy) stop writing the reference token.
         """
-        index, position = self._position(intervened, index)
+        index, position = self.token_position(intervened, index)
         diff = side_by_side(original, intervened)
         new = intervened.steps[index].token_id
         z = self.final_states(intervened)[position][None, None]  # (1, 1, d)
@@ -458,7 +459,8 @@ class Studio:
 
     # -- the database -----------------------------------------------------------------------------------------
 
-    def _need_db(self) -> Database:
+    def need_db(self) -> Database:
+        """The database, or AppError saying how to build one."""
         if self.db is None:
             raise AppError(BUILD_HINT if self.db_error is None else f"{self.db_error}. {BUILD_HINT}")
         return self.db
@@ -466,7 +468,7 @@ class Studio:
     def card(self, prototype_id, n_evidence: int = 6) -> dict:
         """A prototype card (label, scores, stats, histogram, signature, co-active, siblings) and its evidence."""
         pid = self.check_prototype(prototype_id)
-        db = self._need_db()
+        db = self.need_db()
         try:
             card = db.run(query.prototype_card, pid)
             card["evidence"] = db.run(query.evidence, pid, limit=n_evidence)
@@ -477,7 +479,7 @@ class Studio:
 
     def search(self, text: str, mode: str = "label", k: int = 50) -> list[dict]:
         """Label (substring) or semantic search; rows {prototype_id, label, category, score}."""
-        db = self._need_db()
+        db = self.need_db()
         needle = _clean_query(text)
         from precompute.search import label_search, semantic_search
 
@@ -501,7 +503,7 @@ class Studio:
 
     def table(self, category: str | None = None, order_by: str = "activation_count") -> list[dict]:
         """Every prototype of the database (or of one category / filter), sorted."""
-        db = self._need_db()
+        db = self.need_db()
         if category and category not in self.filters():
             raise AppError(f"unknown category {category!r}: one of {', '.join(self.filters())}")
         if order_by not in query.ORDERINGS:
@@ -514,7 +516,7 @@ class Studio:
         return db.run(query.prototype_table, category=category or None, order_by=order_by)
 
     def category_ids(self, category: str) -> list[int]:
-        db = self._need_db()
+        db = self.need_db()
         ids = [p for p, (_, c) in db.labels.items() if c == category]
         if not ids:
             raise AppError(f"no prototype has category {category!r}")
@@ -545,13 +547,7 @@ class Studio:
         raise AppError(f"no preset {str(name)[:60]!r}; presets: {known}")
 
     def map_points(self) -> list[dict]:
-        return self._need_db().run(query.map_points)
-
-    def attribute(self, gen: Generation, index: int, top: int = 10) -> dict:
-        """The training sequences behind generated token `index`, from the attribution cache (app/attribution.py)."""
-        from app.attribution import attribute_token
-
-        return attribute_token(self, gen, index, top)
+        return self.need_db().run(query.map_points)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_app_support import ROOT, build_tiny_attribution_db, running_app, shared_assets
 
-from app.attribution import attribution_panel
+from app.attribution import attribute_token, attribution_panel
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session
 from precompute import attribution as cache
@@ -38,7 +38,7 @@ def studio(assets):
 
 def test_studio_attributes_a_generated_token_from_the_cache(studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
-    data = studio.attribute(gen, 2, top=5)
+    data = attribute_token(studio, gen, 2, top=5)
     assert data["index"] == 2 and data["token_id"] == gen.steps[2].token_id
     rows = data["sequences"]
     assert len(rows) == 5 and [r["rank"] for r in rows] == list(range(5))
@@ -64,7 +64,7 @@ def test_the_panel_says_how_to_build_what_is_missing(assets, studio):
     html, data = attribution_panel(plain, "original", 1, Session(original=gen))
     assert data is None and "python -m precompute.attribution --model" in html
     with pytest.raises(AppError, match="python -m precompute.attribution --model"):
-        plain.attribute(gen, 1)
+        attribute_token(plain, gen, 1)
     bare = Studio(studio.model, studio.tokenizer)  # no database at all
     html, _ = attribution_panel(bare, "original", 1, Session(original=gen))
     assert "python -m precompute build" in html
@@ -86,7 +86,7 @@ def test_attribute_endpoint(app, studio):
     client.predict(PROMPT, TOKENS, 0, 1, 0, api_name="/generate")
     html, data = client.predict("original", 2, api_name="/attribute")
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
-    expected = studio.attribute(gen, 2)
+    expected = attribute_token(studio, gen, 2)
     assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
     assert "Training data behind token 2" in html
 

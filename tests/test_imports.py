@@ -1,0 +1,89 @@
+"""The layering, read from the source with ast: no import cycle among the project's modules (lazy imports inside
+functions count: they are cycles all the same), and the packages import one way, app -> precompute -> prism."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("prism", "precompute", "app", "bench")
+LAYER = {"prism": 0, "precompute": 1, "app": 2, "bench": 3}  # a module may import its own layer and those below
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its source (`from a import b` counts a.b when that is a
+    module, else a)."""
+    out = set()
+    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, node.level - 1 packages up
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != name}
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_detector_finds_a_planted_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Cycles issue 18 removes with the precompute packages (shared inputs out of __main__, labels split by
+# responsibility); any other cycle fails, and so does one of these once it is gone (then delete it here).
+KNOWN = {("precompute.__main__", "precompute.attribution"), ("precompute.__main__", "precompute.evidence"),
+         ("precompute.contrast", "precompute.labels")}
+
+
+def test_no_import_cycle_among_project_modules():
+    edges = graph()
+    assert len(edges) > 40 and edges["app.ui"] and "app.core" in edges["app.ui"]
+    found = {tuple(sorted(set(c))) for c in cycles(edges)}
+    assert found == KNOWN
+
+
+def test_packages_import_downwards_only():
+    wrong = [(a, b) for a, targets in graph().items() for b in targets
+             if LAYER[b.split(".")[0]] > LAYER[a.split(".")[0]]]
+    assert wrong == []
