@@ -227,6 +227,7 @@ class Studio:
         self.n_prototypes = model.config.n_prototypes
         # Generation ends at the tokenizer's end-of-text and other special tokens (none is ever shown as text).
         self.stop_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self._map_points: list[dict] | None = None
         if db is not None and len(db.labels) != self.n_prototypes:
             self.db_error = (f"{db.path} describes {len(db.labels)} prototypes but the model has "
                              f"{self.n_prototypes}: it was built for another model, so it is not used")
@@ -547,7 +548,10 @@ class Studio:
         raise AppError(f"no preset {str(name)[:60]!r}; presets: {known}")
 
     def map_points(self) -> list[dict]:
-        return self.need_db().run(query.map_points)
+        """The map's points, read once: the database is read-only and the map follows every search and card."""
+        if self._map_points is None:
+            self._map_points = self.need_db().run(query.map_points)
+        return self._map_points
 
 
 # ----------------------------------------------------------------------------------------------------------------

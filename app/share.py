@@ -83,55 +83,51 @@ def interventions_json(studio: Studio, session: Session) -> dict:
     return data
 
 
-def _fail(what: str) -> LinkError:
-    return LinkError(what)
-
-
 def parse_interventions(studio: Studio, data, base: Session, source: str = "link") -> Session:
     """`base` with the interventions that `data` describes (replacing base's); LinkError when any field is wrong."""
     if not isinstance(data, dict):
-        raise _fail(f"the {source}'s interventions are not an object")
+        raise LinkError(f"the {source}'s interventions are not an object")
     unknown = set(data) - {"format", "model", "suppress_mode", "items", "controller", "controller_on", "notes"}
     if unknown:
-        raise _fail(f"the {source} has unknown fields: {', '.join(sorted(map(str, unknown)))[:200]}")
+        raise LinkError(f"the {source} has unknown fields: {', '.join(sorted(map(str, unknown)))[:200]}")
     mode = data.get("suppress_mode", "reroute")
     if mode not in SUPPRESS_MODES:
-        raise _fail(f"the {source}'s suppress_mode must be one of {', '.join(SUPPRESS_MODES)}")
+        raise LinkError(f"the {source}'s suppress_mode must be one of {', '.join(SUPPRESS_MODES)}")
     raw_items = data.get("items", [])
     if not isinstance(raw_items, list) or len(raw_items) > MAX_ITEMS:
-        raise _fail(f"the {source}'s items must be a list of at most {MAX_ITEMS}")
+        raise LinkError(f"the {source}'s items must be a list of at most {MAX_ITEMS}")
     n = studio.n_prototypes
     items = []
     for k, raw in enumerate(raw_items):
         if not isinstance(raw, dict) or set(raw) - {"kind", "target", "prototype_ids", "factor"}:
-            raise _fail(f"item {k} of the {source} is not {{kind, target, prototype_ids, factor}}")
+            raise LinkError(f"item {k} of the {source} is not {{kind, target, prototype_ids, factor}}")
         kind, target, ids, factor = (raw.get("kind"), raw.get("target", ""), raw.get("prototype_ids"),
                                      raw.get("factor", 0.0))
         if kind not in KINDS:
-            raise _fail(f"item {k}: kind must be one of {', '.join(KINDS)}")
+            raise LinkError(f"item {k}: kind must be one of {', '.join(KINDS)}")
         if not isinstance(target, str) or len(target) > MAX_TARGET_CHARS:
-            raise _fail(f"item {k}: target must be text of at most {MAX_TARGET_CHARS} characters")
+            raise LinkError(f"item {k}: target must be text of at most {MAX_TARGET_CHARS} characters")
         if not isinstance(ids, list) or not ids or len(ids) > n or \
                 not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in ids):
-            raise _fail(f"item {k}: prototype_ids must be a non-empty list of ids 0..{n - 1} of this model")
+            raise LinkError(f"item {k}: prototype_ids must be a non-empty list of ids 0..{n - 1} of this model")
         if len(set(ids)) != len(ids) or (kind in ("suppress", "scale") and len(ids) != 1):
-            raise _fail(f"item {k}: prototype_ids repeat, or a single-prototype item names several")
+            raise LinkError(f"item {k}: prototype_ids repeat, or a single-prototype item names several")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or \
                 not 0.0 <= factor <= MAX_SCALE or (kind != "scale" and factor != 0):
-            raise _fail(f"item {k}: factor must be a number in [0, {MAX_SCALE:g}] (0 unless the kind is scale)")
+            raise LinkError(f"item {k}: factor must be a number in [0, {MAX_SCALE:g}] (0 unless the kind is scale)")
         items.append(InterventionItem(kind, target, tuple(ids), float(factor)))
     session = replace(base, items=tuple(items), suppress_mode=mode, controller=None, controller_on=False,
                       controller_name=None)
     name, on = data.get("controller"), data.get("controller_on", False)
     if not isinstance(on, bool):
-        raise _fail(f"the {source}'s controller_on must be true or false")
+        raise LinkError(f"the {source}'s controller_on must be true or false")
     if name is not None:
         if not isinstance(name, str):
-            raise _fail(f"the {source}'s controller must be the name of a shipped controller")
+            raise LinkError(f"the {source}'s controller must be the name of a shipped controller")
         try:
             loaded = app_controllers.load_shipped(studio, name)
         except AppError as err:
-            raise _fail(f"the {source} names a controller this app cannot load: {err}") from None
+            raise LinkError(f"the {source} names a controller this app cannot load: {err}") from None
         session = replace(session, controller=loaded, controller_on=on, controller_name=name)
     return session
 
@@ -139,9 +135,9 @@ def parse_interventions(studio: Studio, data, base: Session, source: str = "link
 def import_interventions(studio: Studio, data, base: Session) -> Session:
     """`base` with the interventions of an interventions file (parsed JSON), replacing its own."""
     if not isinstance(data, dict) or data.get("format") != INTERVENTIONS_FORMAT:
-        raise _fail(f"this is not an interventions file (its \"format\" must be {INTERVENTIONS_FORMAT!r})")
+        raise LinkError(f"this is not an interventions file (its \"format\" must be {INTERVENTIONS_FORMAT!r})")
     if data.get("model") != fingerprint(studio):
-        raise _fail("this interventions file was made on another model (another prototype bank): its prototype ids "
+        raise LinkError("this interventions file was made on another model (another prototype bank): its prototype ids "
                     "would name other prototypes here")
     return parse_interventions(studio, data, base, source="file")
 
@@ -170,49 +166,49 @@ def decode_link(studio: Studio, token: str) -> Link:
     """The state a token describes; LinkError (and nothing applied) when it is damaged, edited or made elsewhere."""
     damaged = "this link was changed or cut off (its checksum does not match): ask for it again"
     if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_CHARS or token.count(".") != 1:
-        raise _fail(damaged)
+        raise LinkError(damaged)
     body, check = token.split(".")
     try:
         packed = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         unpacker = zlib.decompressobj()
         raw = unpacker.decompress(packed, MAX_JSON_BYTES)
         if unpacker.unconsumed_tail:
-            raise _fail("this link holds too much data")
+            raise LinkError("this link holds too much data")
     except (binascii.Error, ValueError, zlib.error):
-        raise _fail(damaged) from None
+        raise LinkError(damaged) from None
     if hashlib.sha256(raw).hexdigest()[:16] != check:
-        raise _fail(damaged)
+        raise LinkError(damaged)
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise _fail(damaged) from None
+        raise LinkError(damaged) from None
     if not isinstance(data, dict) or data.get("v") != LINK_VERSION:
-        raise _fail(f"this link was made by another version of the app (it is not version {LINK_VERSION})")
+        raise LinkError(f"this link was made by another version of the app (it is not version {LINK_VERSION})")
     if set(data) != {"v", "model", "prompt", "max_new_tokens", "temperature", "top_p", "seed", "interventions",
                      "selected"}:
-        raise _fail("this link's fields are not the ones the app writes")
+        raise LinkError("this link's fields are not the ones the app writes")
     if data["model"] != fingerprint(studio):
-        raise _fail("this link was made on another model (another prototype bank): its prototype ids would name "
+        raise LinkError("this link was made on another model (another prototype bank): its prototype ids would name "
                     "other prototypes here")
     prompt, max_new, temperature, top_p, seed = (data[k] for k in ("prompt", "max_new_tokens", "temperature",
                                                                    "top_p", "seed"))
     if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > MAX_PROMPT_CHARS:
-        raise _fail(f"the link's prompt must be text of 1 to {MAX_PROMPT_CHARS} characters")
+        raise LinkError(f"the link's prompt must be text of 1 to {MAX_PROMPT_CHARS} characters")
     if not _int(max_new) or not 1 <= max_new <= MAX_NEW_TOKENS:
-        raise _fail(f"the link's max_new_tokens must be a whole number in 1..{MAX_NEW_TOKENS}")
+        raise LinkError(f"the link's max_new_tokens must be a whole number in 1..{MAX_NEW_TOKENS}")
     if not _number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise _fail(f"the link's temperature must be in [0, {MAX_TEMPERATURE:g}]")
+        raise LinkError(f"the link's temperature must be in [0, {MAX_TEMPERATURE:g}]")
     if not _number(top_p) or not 0 < top_p <= 1:
-        raise _fail("the link's top_p must be in (0, 1]")
+        raise LinkError("the link's top_p must be in (0, 1]")
     if not _int(seed) or not -(2**63) <= seed < 2**63:
-        raise _fail("the link's seed must be a whole number")
+        raise LinkError("the link's seed must be a whole number")
     session = parse_interventions(studio, data["interventions"], Session())
     selected = data["selected"]
     if selected is not None:
         if not isinstance(selected, dict) or set(selected) != {"run", "index"} or \
                 selected["run"] not in ("original", "intervened") or not _int(selected["index"]) or \
                 not 0 <= selected["index"] < max_new:
-            raise _fail("the link's selected token must be {run: original|intervened, index: 0..max_new_tokens-1}")
+            raise LinkError("the link's selected token must be {run: original|intervened, index: 0..max_new_tokens-1}")
         selected = (selected["run"], selected["index"])
     settings = GenerationSettings(prompt=prompt, max_new_tokens=max_new, temperature=float(temperature),
                                   top_p=float(top_p), seed=seed)

@@ -120,6 +120,12 @@ class RunControl:
         return self.stop_run == run
 
 
+def _settings(prompt, max_new_tokens, temperature, top_p, seed) -> GenerationSettings:
+    """The page's controls as settings (empty controls read as the defaults' zero values)."""
+    return GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
+                              temperature=float(temperature or 0), top_p=float(top_p or 1.0), seed=int(seed or 0))
+
+
 def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
              session: Session, control: RunControl | None = None):
     """Stream the original continuation and, when the session has interventions, the intervened one beside it
@@ -129,9 +135,7 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     run = control.start() if control is not None else None
     stopped = False
     try:
-        settings = GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
-                                      temperature=float(temperature or 0), top_p=float(top_p or 1.0),
-                                      seed=int(seed or 0))
+        settings = _settings(prompt, max_new_tokens, temperature, top_p, seed)
         interventions = session.interventions()
         reuse = session.original is not None and session.original.finished and \
             session.original.settings == settings
@@ -541,9 +545,7 @@ def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: 
                run: str, token: dict | None, session: Session, request: gr.Request = None):
     """A URL restoring the prompt, settings, seed, interventions and the explained token. Returns (url, status)."""
     try:
-        settings = GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
-                                      temperature=float(temperature or 0), top_p=float(top_p or 1.0),
-                                      seed=int(seed or 0))
+        settings = _settings(prompt, max_new_tokens, temperature, top_p, seed)
         studio.encode_prompt(settings)  # the same checks as Generate: a link always restores something usable
         selected = (run, int(token["index"])) if token and run in RUNS else None
         url = f"{_base_url(request)}?{share.PARAM}={share.encode_link(studio, settings, session, selected)}"
