@@ -51,7 +51,7 @@ ORDERINGS = {"relevance": None, "activation count": "activation_count", "label s
 TABLE_HEADERS = ["id", "label", "category", "label score", "sibling score", "tokens", "similarity"]
 TABLE_WIDTHS = ["44px", "200px", "110px", "82px", "82px", "70px", "110px"]  # every number on screen at 1280 px
 SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the label at least this (MiniLM)
-ACTIVE_HEADERS = ["prototype_id", "label", "category", "activation", "contribution"]
+ACTIVE_HEADERS = ["id", "label", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
 CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
 
@@ -751,7 +751,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                         alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
                         active = gr.Dataframe(headers=ACTIVE_HEADERS, label="Active prototypes (click a row)",
                                               interactive=False, elem_id="active", wrap=True,
-                                              column_widths=["64px", "44%", "20%", "92px", "104px"])
+                                              column_widths=["44px", "226px", "130px", "112px", "130px"])
                         with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
                             attribute_btn = gr.Button("Find the training data", elem_id="attribute")
                             attribution_html = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
