@@ -13,8 +13,6 @@ everything the panel needs except the browser's drawing.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app import plots  # noqa: E402
 from app.assets import resolve_db, resolve_model  # noqa: E402
 from app.core import GenerationSettings, Studio  # noqa: E402
-from prism import PrismConfig, PrismForCausalLM  # noqa: E402
+from prism import PrismConfig, PrismForCausalLM, cli  # noqa: E402
 
 PROMPT = "The river flows into the sea, and the people of the valley have always"
 
@@ -56,8 +54,7 @@ def load_studio(args) -> tuple[Studio, str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python bench/app_latency.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python bench/app_latency.py", __doc__)
     parser.add_argument("--model", default=None, help="PRISM model folder (default: the shipped assets/model)")
     parser.add_argument("--db", default=None, help="precompute database (default: the shipped one)")
     parser.add_argument("--backbone", default=None, help="instead of --model: wrap this backbone with a random bank")
@@ -116,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
             studio.search("warm up", "semantic")
             result["search_semantic"] = percentiles([timed(lambda w=w: studio.search(f"{w} words", "semantic"))
                                                      for w in words[:30]])
-    print(json.dumps(result))  # noqa: T201 - the benchmark's output
+    cli.print_json(result)
     return result
 
 

@@ -56,6 +56,7 @@ import torch
 
 from precompute import attribution as cache
 from precompute.evidence import document_windows
+from prism import cli
 from prism.attribution import Query, pad_batch, query_gradient, reference_scores, top_overlap, top_sequences
 
 logger = logging.getLogger("bench.attribution")
@@ -421,8 +422,7 @@ def run(ns) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.attribution", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m bench.attribution", __doc__)
     parser.add_argument("--model", required=True, help="a PRISM model folder (save_pretrained, tokenizer beside it)")
     parser.add_argument("--db", required=True, help="its precompute database; the attribution cache is built into "
                                                     "it when missing")
@@ -466,17 +466,17 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     unknown = [lvl for lvl in ns.levels.split(",") if lvl not in LEVELS]
     if unknown:
-        parser.error(f"unknown levels {unknown}; levels are {', '.join(LEVELS)}")
+        cli.fail(parser, f"unknown levels {unknown}; levels are {', '.join(LEVELS)}")
     if ns.level is not None:  # a child process: one level, result into the work folder
         out = RUNNERS[ns.level](ns, Path(ns.work))
         (Path(ns.work) / f"{ns.level}.json").write_text(json.dumps(out))
         return out
     ns.argv = [a for a in argv if a not in ("--in-process",)]
     result = run(ns)
-    print(json.dumps(result))  # noqa: T201 - the benchmark's output
+    cli.print_json(result)
     return result
 
 

@@ -31,7 +31,6 @@ import logging
 import math
 import random
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +40,7 @@ from tqdm.auto import tqdm
 from precompute.corpus import iter_documents
 from precompute.presets import PRESETS, REASONS, PresetArgs, find_prototypes, preset_prototypes
 from precompute.runs import connect
-from prism import Interventions, PrismForCausalLM
+from prism import Interventions, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import is_validation, pack
 from prism.model import SUPPRESS_MODES
@@ -290,8 +289,7 @@ def run(args: argparse.Namespace, preset: str, loaded: dict | None = None) -> di
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.behaviour_removal", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m bench.behaviour_removal", __doc__)
     parser.add_argument("--model", required=True, help="PRISM checkpoint folder with its tokenizer")
     parser.add_argument("--db", required=True, help="precompute database with the presets job done")
     parser.add_argument("--preset", default="kjv-register",
@@ -334,25 +332,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict | list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     for name in ("prompts", "prompt_words", "max_new_tokens", "batch_size", "max_eval_tokens", "seq_len"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            cli.fail(parser, f"--{name.replace('_', '-')} must be >= 1")
     presets = [p.strip() for p in args.preset.split(",") if p.strip()]
     unknown = sorted(set(presets) - set(PROMPTS))
     if unknown or not presets:
-        parser.error(f"--preset must name presets among {', '.join(sorted(PROMPTS))}, got {args.preset!r}")
+        cli.fail(parser, f"--preset must name presets among {', '.join(sorted(PROMPTS))}, got {args.preset!r}")
     results, loaded = [], {}
-    try:
+    # a bad rule variant (PresetArgs) raises one of these too
+    with cli.expected_errors(parser, ValueError, FileNotFoundError, KeyError, OSError):
         for preset in presets:
             results.append(run(args, preset, loaded))
-            line = json.dumps(results[-1])
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            cli.print_json(results[-1])
             if args.out:  # one line per preset, written as each finishes
                 Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
-    except (ValueError, FileNotFoundError, KeyError, OSError) as err:  # a bad rule variant (PresetArgs) lands here too
-        parser.error(str(err))
     for result in results:
         if not math.isfinite(result[result["modes"][0]]["rate_drop"]):
             logger.warning("%s: the prompts produced no marker before suppression: the rate drop is undefined",

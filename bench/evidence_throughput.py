@@ -10,8 +10,6 @@ throughput (goal: >= 0.90).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -20,10 +18,11 @@ import torch
 
 from precompute.__main__ import load_corpus, load_model
 from precompute.evidence import EvidenceArgs, RankState, document_windows, process_windows
+from prism import cli
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python bench/evidence_throughput.py", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python bench/evidence_throughput.py", __doc__, formatter="plain")
     parser.add_argument("--model", required=True)
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--batches", type=int, default=12, help="timed batches (after one warm-up)")
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
               "job_s_per_batch": med["job"], "plain_tokens_per_s": per_batch / med["plain"],
               "job_tokens_per_s": per_batch / med["job"], "ratio": med["plain"] / med["job"],
               "n_prototypes": model.config.n_prototypes, "top_n": ns.top_n}
-    print(json.dumps(result))  # noqa: T201 - the benchmark's output
+    cli.print_json(result)
     return result
 
 

@@ -15,7 +15,6 @@ it, and the document id; never more of the corpus text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 
@@ -23,6 +22,7 @@ import duckdb
 
 from precompute.contrast import CATCH_ALL
 from precompute.labels import load_cards
+from prism import cli
 
 GOALS = {"distinct_share": (">=", 0.95), "catch_all_share": ("<=", 0.03), "mean_label_score": (">=", 0.85),
          "mean_sibling_score": (">=", 0.70)}
@@ -106,7 +106,7 @@ def draw(con: duckdb.DuckDBPyConnection, n: int, seed: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m bench.label_goals", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m bench.label_goals", __doc__, formatter="plain")
     parser.add_argument("--db", action="append", required=True, help="a precompute database (repeatable)")
     parser.add_argument("--draw", type=int, default=0, help="also draw this many labels with their evidence")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draw")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 result["drawn"] = draw(con, args.draw, args.seed)
         finally:
             con.close()
-        print(json.dumps(result))  # noqa: T201 - the command's output
+        cli.print_json(result)
         results.append(result)
     return results
 

@@ -14,7 +14,6 @@ label to score. The model's labels are kept in --cache (JSON) so a second run on
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -34,6 +33,7 @@ from precompute.labels import (
     negative_pool,
     parse_reply,
 )
+from prism import cli
 
 logger = logging.getLogger("bench.labeler_compare")
 
@@ -82,7 +82,7 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench.labeler_compare", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m bench.labeler_compare", __doc__, formatter="plain")
     parser.add_argument("--db", required=True, help="a database labelled by the default labeler (v2)")
     parser.add_argument("--n", type=int, default=50, help="prototypes compared")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draw")
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="compare only the drawn prototypes the cache already labels (no model run)")
     parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping the model's labels")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     model = args.llm_model
     if model is None:
         from prism.backbones import smollm2_folder
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     and r["llm_label_score"] > r["v2_label_score"]),
         "rows": rows,
     }
-    print(json.dumps(result))  # noqa: T201 - the command's output
+    cli.print_json(result)
     return result
 
 

@@ -10,8 +10,6 @@ one JSON line with p50/p95 in milliseconds per query kind.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import shutil
 import statistics
@@ -22,6 +20,7 @@ import duckdb
 
 from precompute import query
 from precompute.schema import JOB_TABLES
+from prism import cli
 
 PER_PROTOTYPE = [t for tables in JOB_TABLES.values() for t in tables if t != "documents"]
 
@@ -56,7 +55,7 @@ def timed(fn, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python bench/query_latency.py", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python bench/query_latency.py", __doc__, formatter="plain")
     parser.add_argument("--db", required=True)
     parser.add_argument("--scale-to", type=int, default=None, help="replicate prototypes up to this many")
     parser.add_argument("--repeats", type=int, default=200)
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["label_search"] = timed(lambda: search.label_search(con, next(w)), ns.repeats)
         if con.execute("SELECT count(*) FROM embeddings").fetchone()[0]:
             result["semantic_search"] = timed(lambda: search.semantic_search(con, next(w)), ns.repeats // 4)
-    print(json.dumps(result))  # noqa: T201 - the benchmark's output
+    cli.print_json(result)
     return result
 
 

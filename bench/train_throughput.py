@@ -9,25 +9,21 @@ step of each, tokens/s, and the ratio PRISM/dense of tokens/s (the paper: 97.3% 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import logging
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from prism import PrismConfig, PrismForCausalLM
+from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import pack, tokenize_split
 from prism.train import TrainArgs, TrainModule, _set_trainable, init_prototypes
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench.train_throughput",
-                                     description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m bench.train_throughput", __doc__, formatter="plain")
     parser.add_argument("--backbone", default="smollm2")
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--n-layers", type=int, default=2)
@@ -38,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per model (after 2 warm-up steps)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    cli.setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -87,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         "throughput_ratio": med["dense"] / med["prism"],
         "ratio_per_pair_median": statistics.median(d / p for p, d in zip(times["prism"], times["dense"])),
     }
-    print(json.dumps(result))  # noqa: T201 - the benchmark's output
+    cli.print_json(result)
     return result
 
 

@@ -14,12 +14,13 @@ Run `python -m precompute.embed "some text" ...` to print the dimension and the 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from prism import cli
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,10 @@ def embed(texts: list[str], batch_size: int = BATCH_SIZE, progress: bool | None 
 
 
 def main(argv: list[str] | None = None) -> np.ndarray:
-    parser = argparse.ArgumentParser(prog="python -m precompute.embed", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m precompute.embed", __doc__, formatter="plain")
     parser.add_argument("texts", nargs="+", help="texts to embed")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     vectors = embed(args.texts)
     print(f"{EMBED_MODEL}: {vectors.shape[0]} x {vectors.shape[1]}")  # noqa: T201 - the command's output
     for i, text in enumerate(args.texts):

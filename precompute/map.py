@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from precompute.runs import JobArgsMismatch, connect, finish_job, start_job
+from prism import cli
 
 logger = logging.getLogger("precompute.map")
 
@@ -125,8 +126,7 @@ def run(con: duckdb.DuckDBPyConnection, prototype_vectors: np.ndarray, seed: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.map", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m precompute.map", __doc__)
     parser.add_argument("--db", required=True, help="the precompute DuckDB file")
     parser.add_argument("--model", required=True, help="a PRISM model folder (PrismForCausalLM.save_pretrained)")
     parser.add_argument("--method", choices=METHODS, default="umap",
@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    with cli.expected_errors(parser, JobArgsMismatch, ValueError, FileNotFoundError):
         from prism import PrismForCausalLM
 
         model = PrismForCausalLM.from_pretrained(args.model)
@@ -151,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
             methods = con.execute("SELECT DISTINCT method FROM prototype_map").fetchall()
         finally:
             con.close()
-    except (JobArgsMismatch, ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
     used = ", ".join(m for (m,) in methods) or "-"
     print(f"map: wrote {written} rows ({used})")  # noqa: T201 - the command's output
     return written

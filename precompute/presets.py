@@ -29,6 +29,7 @@ from pathlib import Path
 import duckdb
 
 from precompute.runs import JobArgsMismatch, connect, finish_job, start_job, transaction
+from prism import cli
 
 logger = logging.getLogger("precompute.presets")
 
@@ -183,8 +184,7 @@ def preset_prototypes(con: duckdb.DuckDBPyConnection, name: str) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.presets", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m precompute.presets", __doc__)
     own = "; ".join(f"{p.name}: {p.min_share:g}, {p.signature_top}" for p in PRESETS.values())
     parser.add_argument("--db", required=True, help="the precompute DuckDB file (evidence and labels jobs done)")
     parser.add_argument("--min-share", type=float, default=None,
@@ -209,8 +209,9 @@ def preset_args(ns: argparse.Namespace) -> PresetArgs:
 def main(argv: list[str] | None = None) -> dict | list[dict]:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    with cli.expected_errors(parser, JobArgsMismatch, RuntimeError, ValueError, KeyError, FileNotFoundError,
+                             duckdb.Error):
         if ns.show:
             con = connect(ns.db, read_only=True)
             try:
@@ -228,8 +229,6 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
             counts = run(con, args, overwrite=ns.overwrite)
         finally:
             con.close()
-    except (JobArgsMismatch, RuntimeError, ValueError, KeyError, FileNotFoundError, duckdb.Error) as err:
-        parser.error(str(err))
     print("presets: " + ", ".join(f"{name} {n} prototypes" for name, n in counts.items()))  # noqa: T201
     return counts
 

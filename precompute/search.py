@@ -41,6 +41,7 @@ from precompute.runs import (
     start_job,
     write_chunk,
 )
+from prism import cli
 
 logger = logging.getLogger("precompute.search")
 
@@ -159,8 +160,7 @@ def label_search(con: duckdb.DuckDBPyConnection, text: str, k: int = 50) -> list
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.search", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m precompute.search", __doc__)
     parser.add_argument("--db", required=True, help="the precompute DuckDB file (labels job done)")
     # the job
     parser.add_argument("--batch-size", type=int, default=64, help="prototypes per transaction")
@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int | list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    with cli.expected_errors(parser, JobArgsMismatch, RuntimeError, ValueError, FileNotFoundError, duckdb.Error):
         if args.query is not None or args.label is not None:
             con = connect(args.db, read_only=True)
             try:
@@ -198,8 +198,6 @@ def main(argv: list[str] | None = None) -> int | list[dict]:
             written = run(con, overwrite=args.overwrite, batch_size=args.batch_size)
         finally:
             con.close()
-    except (JobArgsMismatch, RuntimeError, ValueError, FileNotFoundError, duckdb.Error) as err:
-        parser.error(str(err))
     print(f"search: wrote {written} embeddings")  # noqa: T201 - the command's output
     return written
 

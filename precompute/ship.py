@@ -18,13 +18,13 @@ import hashlib
 import json
 import logging
 import shutil
-import sys
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import duckdb
 
 from precompute.runs import connect
+from prism import cli
 from prism.model import upgrade_config
 
 logger = logging.getLogger("precompute.ship")
@@ -132,8 +132,7 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.ship", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m precompute.ship", __doc__)
     parser.add_argument("--model", required=True, help="trainable-only checkpoint folder with its tokenizer")
     parser.add_argument("--db", required=True, help="its precompute database (with text; stripped on the way)")
     parser.add_argument("--out", default="assets", help="the assets folder")
@@ -144,13 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    with cli.expected_errors(parser, ValueError, FileNotFoundError, FileExistsError, KeyError):
         result = ship(Path(ns.model), Path(ns.db), Path(ns.out), overwrite=ns.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as err:
-        parser.error(str(err))
-    json.dump(result, sys.stdout)
-    sys.stdout.write("\n")
+    cli.print_json(result)
     return result
 
 

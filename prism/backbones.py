@@ -10,7 +10,6 @@ cache; later loads take about a second. PRISM.md section 6.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import logging
@@ -18,6 +17,8 @@ import os
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from prism import cli
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +121,10 @@ def generation_config_for(tokenizer: PreTrainedTokenizerBase,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m prism.backbones", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m prism.backbones", __doc__, formatter="plain")
     parser.add_argument("backbone", help="'smollm2', a local folder or a hub id")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cli.setup_logging()
     print(resolve(args.backbone))  # noqa: T201 - the command's output is the path
 
 

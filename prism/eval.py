@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from prism import PrismForCausalLM
+from prism import PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import pack, tokenize_split
 from prism.losses import ce_loss
@@ -149,8 +149,7 @@ def format_table(results: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m prism.eval", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m prism.eval", __doc__)
     parser.add_argument("--checkpoint", required=True, help="PRISM checkpoint folder (save_pretrained)")
     parser.add_argument("--dense", help="dense baseline checkpoint folder (prism.train --dense-baseline)")
     parser.add_argument("--backbone", help="untouched backbone to compare (default: the checkpoint's)")
@@ -169,11 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    with cli.expected_errors(parser, ValueError, FileNotFoundError):
         results = run(args)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
     print(format_table(results))  # noqa: T201 - the command's output
     if args.out:  # only where asked: evaluating a shipped model must not change its folder
         out = Path(args.out)

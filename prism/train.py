@@ -38,7 +38,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from prism import PrismConfig, PrismForCausalLM
+from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import generation_config_for, load_backbone, load_tokenizer
 from prism.data import corpus_fingerprint, pack, tokenize_split
 from prism.losses import ce_loss, prism_loss
@@ -602,8 +602,7 @@ def _check_run_folder(out: Path, args: TrainArgs, rank: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m prism.train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m prism.train", __doc__)
     defaults = TrainArgs(corpus="-", out="-")
     groups = {
         "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "dense_baseline"],
@@ -650,12 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.setup_logging()
+    with cli.expected_errors(parser, ValueError):
         train_args = TrainArgs(**vars(args))
-    except ValueError as err:
-        build_parser().error(str(err))
     logger.info("arguments: %s", json.dumps(asdict(train_args)))
     try:
         return train(train_args)

@@ -1,0 +1,75 @@
+"""Command-line plumbing shared by the commands in prism/, precompute/ and bench/: a parser whose description is the
+module docstring's first paragraph, one logging set-up, and expected errors (a missing file, a bad argument, a job
+made with other arguments) turned into one line on stderr and exit code 2 instead of a traceback.
+
+    from prism import cli
+
+    def build_parser():
+        parser = cli.parser("python -m prism.eval", __doc__)
+        parser.add_argument("--checkpoint", required=True)
+        return parser
+
+    def main(argv=None):
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        cli.setup_logging()
+        with cli.expected_errors(parser, ValueError, FileNotFoundError):
+            result = run(args)
+        cli.print_json(result)       # a command whose output is JSON
+        return result                # tests call main(argv) and read the result
+
+Unexpected errors keep their traceback: only the kinds a command names are its users' mistakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from typing import NoReturn
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+FORMATTERS = {"defaults": argparse.ArgumentDefaultsHelpFormatter, "raw": argparse.RawDescriptionHelpFormatter,
+              "plain": argparse.HelpFormatter}
+
+
+def parser(prog: str, doc: str | None, formatter: str = "defaults", epilog: str | None = None
+           ) -> argparse.ArgumentParser:
+    """An ArgumentParser named as the command is typed (`python -m a.b`), described by the docstring's first
+    paragraph. formatter: 'defaults' shows each flag's default, 'raw' keeps the epilog's line breaks (pass the
+    whole docstring as epilog to show its usage examples), 'plain' is argparse's own."""
+    return argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0], epilog=epilog,
+                                   formatter_class=FORMATTERS[formatter])
+
+
+def subparser(commands, name: str, help: str, formatter: str = "defaults") -> argparse.ArgumentParser:
+    """A sub-command (commands = parser.add_subparsers(...)) with the same help layout as the parser."""
+    return commands.add_parser(name, help=help, formatter_class=FORMATTERS[formatter])
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log records with time, logger name and level on stderr (stdout stays the command's output)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+
+
+def fail(parser: argparse.ArgumentParser, message: object) -> NoReturn:
+    """End the command with `prog: error: message` on stderr and exit code 2 (argparse's code for bad usage)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+@contextlib.contextmanager
+def expected_errors(parser: argparse.ArgumentParser, *kinds: type[BaseException]) -> Iterator[None]:
+    """Inside: an exception of one of `kinds` ends the command through fail(); any other propagates."""
+    try:
+        yield
+    except kinds as err:
+        fail(parser, err)
+
+
+def print_json(result: object, indent: int | None = None) -> None:
+    """The command's result as one JSON document on stdout (values JSON does not know are written as str)."""
+    sys.stdout.write(json.dumps(result, indent=indent, default=str) + "\n")
+    sys.stdout.flush()
