@@ -101,7 +101,7 @@ def _load_model(path: str):
 
 
 def start_layer_of(model, peer_layers: int | None) -> int:
-    from prism.attribution_ekfac import trainable_layers
+    from bench.attribution_ekfac import trainable_layers
 
     n = peer_layers or trainable_layers(model) or min(2, model.n_layers)
     return model.n_layers - max(1, min(n, model.n_layers))
@@ -224,7 +224,7 @@ def run_cached(ns, work: Path) -> dict:
 
 
 def run_ekfac(ns, work: Path) -> dict:
-    from prism.attribution_ekfac import EkfacPeer, SequenceDataset
+    from bench.attribution_ekfac import EkfacPeer, SequenceDataset
 
     meta, train, queries, states = _inputs(work)
     queries = queries[: ns.ekfac_queries or None]

@@ -53,8 +53,8 @@ Three levels over the same model and training sequences:
    reference is 0.68 at r = 64 and coverage 0.9 (15 prototypes read), 0.74 at r = 128 (the projection was the
    larger loss), 0.81 at r = 128 and coverage 0.99 (49 prototypes read, the sparse product 24 -> 47 ms): hence
    the defaults r = 128, coverage 0.99.
-3. EK-FAC peer (prism/attribution_ekfac.py): kronfluence over the model's trainable linear layers, same loss,
-   same sequences, same queries.
+3. EK-FAC peer (bench/attribution_ekfac.py, beside its benchmark: kronfluence is a benchmark dependency, not the
+   library's): kronfluence over the model's trainable linear layers, same loss, same sequences, same queries.
 
 Usage:
     stats = token_statistics(model, z, targets)                    # per target token: z, e, ids, a, ...

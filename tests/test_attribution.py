@@ -341,7 +341,7 @@ def test_pointer_only_database_reads_attribution_text_back(setup, tmp_path):
 
 @pytest.mark.slow
 def test_ekfac_peer_uses_the_same_loss_and_finds_the_planted_sequence(setup, loaded, tmp_path):
-    from prism.attribution_ekfac import EkfacPeer, PrismLanguageModelingTask, SequenceDataset, TopLayers
+    from bench.attribution_ekfac import EkfacPeer, PrismLanguageModelingTask, SequenceDataset, TopLayers
 
     model = loaded["model"]
     sequences = loaded["sequences"]

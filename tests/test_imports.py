@@ -1,5 +1,6 @@
 """The layering, read from the source with ast: no import cycle among the project's modules (lazy imports inside
-functions count: they are cycles all the same), and the packages import one way, app -> precompute -> prism."""
+functions count: they are cycles all the same), the packages import one way, app -> precompute -> prism, and
+kronfluence (a benchmark dependency) is imported only beside the benchmarks."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ LAYER = {"prism": 0, "precompute": 1, "app": 2, "bench": 3}  # a module may impo
 
 
 def modules() -> dict[str, Path]:
+    """{dotted name: file} for every module of the packages, sub-packages included (a package is its __init__)."""
     found = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            found[name] = path
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -87,3 +89,18 @@ def test_packages_import_downwards_only():
     wrong = [(a, b) for a, targets in graph().items() for b in targets
              if LAYER[b.split(".")[0]] > LAYER[a.split(".")[0]]]
     assert wrong == []
+
+
+def test_kronfluence_is_imported_only_beside_the_benchmarks():
+    """The EK-FAC peer's library is installed with --no-deps for the benchmark; the library, the jobs, the app and
+    the tests never import it themselves."""
+    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and p.relative_to(ROOT).parts[0] != "bench"]
+    assert any(p.name == "app.py" for p in files) and len(files) > 60
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "kronfluence"]
+    assert found == []
+    assert "kronfluence" in (ROOT / "bench" / "attribution_ekfac.py").read_text()

@@ -11,12 +11,15 @@ with sample=True, labels drawn from the model's own distribution (the true Fishe
 Measurement: the cross-entropy of the query token at its position. Scores: kronfluence's pairwise scores,
 g_q^T H^-1 g_s, positive = helpful, as in prism/attribution.py.
 
+    from bench.attribution_ekfac import EkfacPeer
     peer = EkfacPeer(model, start_layer, output_dir)          # wraps model's linear layers in place
     peer.fit(train_dataset, batch_size=8)                     # covariance, eigendecomposition, lambda
     scores = peer.scores(query_dataset, train_dataset, ...)   # (Q, N)
 
 Needs a backbone whose trainable layers are nn.Linear (Llama, Qwen, SmolLM2, ...): kronfluence does not track
-GPT-2's Conv1D.
+GPT-2's Conv1D. It lives beside its benchmark (bench/attribution.py) because kronfluence is a benchmark dependency
+(installed with --no-deps, requirements-nodeps.txt), never one of the library's: tests/test_imports.py checks that
+nothing outside bench/ imports it.
 """
 
 from __future__ import annotations
