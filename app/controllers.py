@@ -15,7 +15,7 @@ from pathlib import Path
 
 from app.assets import shipped_controllers
 from app.core import AppError, Studio
-from prism.controllers import DenseController, PrototypeController, load_controller
+from prism.controllers import PrototypeController, load_controller
 
 SUFFIX = ".safetensors"
 SNIPPET_CHARS = 160
@@ -24,7 +24,7 @@ SNIPPET_CHARS = 160
 def load(studio: Studio, path: str | Path | None) -> PrototypeController:
     """A prototype controller file for this studio's model; AppError with the reason otherwise."""
     if path is None or not str(path).strip():
-        raise AppError("give the path of a controller file (python -m prism.controllers fit writes them) or "
+        raise AppError("give the path of a controller file (python -m bench.controllers fit writes them) or "
                        "upload one")
     path = Path(str(path).strip())
     if path.suffix != SUFFIX:
@@ -33,9 +33,6 @@ def load(studio: Studio, path: str | Path | None) -> PrototypeController:
         controller = load_controller(path, studio.model)
     except (FileNotFoundError, ValueError) as err:
         raise AppError(f"cannot use this controller: {err}") from None
-    if isinstance(controller, DenseController):
-        raise AppError("this is the dense baseline (an edit of the hidden state, not of prototypes); only "
-                       "prototype controllers can be switched on here")
     return controller
 
 

@@ -14,8 +14,9 @@ from app import controllers as app_controllers
 from app import ui
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session
+from bench.dense_controller import DenseController, make_frame
 from prism import Interventions
-from prism.controllers import DenseController, PrototypeController, make_frame, save_controller
+from prism.controllers import PrototypeController, save_controller
 
 PROMPT = "the cat sat on the"
 TOKENS = 8

@@ -1,6 +1,7 @@
-"""Multiple-choice items scored by log-likelihood: the item format, encoding through the model once, exact scoring.
+"""Fitting a prototype controller (prism/controllers.py) on multiple-choice items: the item format, every item
+encoded through the model once, and a fit of the K log-factors that only replays the prototype head.
 
-An item is a context and a few options, one of them right (precompute/tasks.py builds them from held-out
+An item is a context and a few options, one of them right (bench/controller_tasks.py builds them from held-out
 documents). An option's score is the mean log-probability of its tokens given the context and the option's
 earlier tokens (`reduce="mean"`; "sum" is the alternative). The mean is the default because the options of one
 item differ in length (a true next sentence against sentences from other documents) and a sum favours short
@@ -15,24 +16,43 @@ the target plus the M most likely other tokens and a one-token summary of the re
 logsumexp and the gradient direction of its mass); candidate_logprobs is exact when nothing moves and when M covers
 the vocabulary, and to first order in the change of z for the rest. Test accuracy is always exact.
 
+The fit: the loss is the cross-entropy of the right option over the options' scores / temperature; Adam on
+g = log(factor), then after every step a soft threshold (L1, proximal step), the factor bounds and an optional
+top-m cap, so most prototypes keep factor 1. The epoch with the best validation accuracy (then loss) is kept, the
+identity (epoch 0) included; fit_best tries every L1 strength and keeps the best on validation. A step returns the
+loss, one entry per loss term and metrics. The fit is written for any kind of controller with K log-factors
+(ControllerKind: how g changes the fit's log-probabilities and how the fitted controller is built); PROTOTYPE is
+the library's, the dense baseline of the experiment is another (bench/dense_controller.py).
+
     items = read_items("tasks/next_sentence.jsonl")
     enc = encode_items(model, tokenize_items(items, tokenizer), [it.split for it in items])
-    acc = accuracy(option_scores(exact_logprobs(model, enc.subset("test")), enc.subset("test")), ...)
+    feats = {s: candidate_features(model, enc.subset(s)) for s in ("fit", "val")}
+    result = fit_best(PROTOTYPE, model, feats["fit"], feats["val"], FitArgs(), seed=0)
+    save_controller(result.controller, "ctl.safetensors")
+    test = enc.subset("test")
+    acc = accuracy(option_scores(exact_logprobs(model, test, Interventions(controller=result.controller)), test),
+                   test.answers)
+
+The experiment's command line (tasks, seeds, the dense baseline, exact test accuracy, timing) is
+`python -m bench.controllers fit|eval`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from prism.controllers import PrototypeController, bank_fingerprint
 from prism.model import Interventions, PrismForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -353,26 +373,188 @@ def candidate_logprobs(feats: CandidateFeatures, positions: torch.Tensor, d_cand
     return logits[:, 0] - lse
 
 
-class GatheredRowsDot(torch.autograd.Function):
-    """out[n, m] = W[idx[n, m]] . x[n] without keeping the gathered (N, M, d) rows for backward (they are
-    gathered again there, in chunks), so a dense z edit can be fitted in bounded memory."""
+# ----------------------------------------------------------------------------------------------------------------
+# The fit.
 
-    CHUNK = 128  # (128, M + 1, d) gathered rows at a time
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight, idx)
-        out = torch.empty(idx.shape, dtype=x.dtype)
-        for lo in range(0, x.shape[0], GatheredRowsDot.CHUNK):
-            sl = slice(lo, lo + GatheredRowsDot.CHUNK)
-            out[sl] = torch.einsum("nmd,nd->nm", weight[idx[sl]], x[sl])
-        return out
+@dataclass(frozen=True)
+class ControllerKind:
+    """What the fit needs to know about a kind of controller with K log-factors g.
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight, idx = ctx.saved_tensors
-        grad_x = torch.empty(idx.shape[0], weight.shape[1], dtype=grad.dtype)
-        for lo in range(0, idx.shape[0], GatheredRowsDot.CHUNK):
-            sl = slice(lo, lo + GatheredRowsDot.CHUNK)
-            grad_x[sl] = torch.einsum("nm,nmd->nd", grad[sl], weight[idx[sl]])
-        return grad_x, None, None
+    logprobs(g, feats, positions, model, fixed) -> the fit's log p(target) at positions (P,), differentiable in g;
+    build(g, fixed, description) -> the fitted controller; fixed(model, seed) -> what the kind draws once per seed
+    and keeps fixed during the fit (None for prototype controllers).
+    """
+
+    name: str
+    logprobs: Callable[[torch.Tensor, CandidateFeatures, torch.Tensor, PrismForCausalLM, Any], torch.Tensor]
+    build: Callable[[torch.Tensor, Any, dict], Any]
+    fixed: Callable[[PrismForCausalLM, int], Any] = lambda model, seed: None
+
+
+def _prototype_logprobs(log_factors: torch.Tensor, feats: CandidateFeatures, positions: torch.Tensor,
+                        model: PrismForCausalLM, fixed: None) -> torch.Tensor:
+    """The fit's log p(target) at positions (P,) under prototype factors exp(log_factors) (K,)."""
+    ids, acts = feats.prototype_ids[positions], feats.activations[positions]  # (P, k)
+    # the same reweighting head() applies, through the same Interventions path
+    _, new = model.effective_activations(ids, acts, Interventions(controller=PrototypeController(log_factors)))
+    change = new - acts  # (P, k)
+    d_cand = torch.einsum("pmk,pk->pm", feats.cand_signatures[positions], change)  # (P, M + 1)
+    d_tail = (feats.tail_signatures[positions] * change).sum(-1)  # (P,)
+    return candidate_logprobs(feats, positions, d_cand, d_tail)
+
+
+PROTOTYPE = ControllerKind("prototype", _prototype_logprobs,
+                           build=lambda g, fixed, description: PrototypeController(g, description))
+
+
+@dataclass
+class FitArgs:
+    epochs: int = 8  # passes over the fit items; the best epoch on validation is kept
+    lr: float = 0.05  # Adam step size on g = log(factor)
+    batch_size: int = 16  # items per step
+    # Soft threshold lr * l1 on g after every Adam step, one fit per value. Adam moves g by about lr per step
+    # where its gradient keeps its sign, so a prototype keeps a factor != 1 only where its normalised gradient
+    # is consistently above l1: values in (0, 1) span dense to empty.
+    l1: tuple[float, ...] = (0.1, 0.4)
+    max_moved: int | None = None  # top-m: at most this many prototypes (features) move; None = no cap
+    max_factor: float = 10.0  # factors stay in [1 / max_factor, max_factor]
+    temperature: float = 0.1  # option scores / temperature -> softmax over the options
+    reduce: str = "mean"  # option score: mean (default) or sum of its token log-probabilities
+    candidates: int = 32  # tokens per position in the fit's softmax, beside the target (the rest: one term)
+
+    def __post_init__(self) -> None:
+        self.l1 = tuple(float(v) for v in self.l1)
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {REDUCTIONS}, got {self.reduce!r}")
+        if self.epochs < 1 or self.batch_size < 1 or self.candidates < 1:
+            raise ValueError("epochs, batch_size and candidates must be >= 1")
+        if not (self.lr > 0 and self.temperature > 0 and self.max_factor > 1):
+            raise ValueError("lr and temperature must be > 0 and max_factor > 1")
+        if not self.l1 or any(v < 0 for v in self.l1):
+            raise ValueError(f"l1 needs at least one value >= 0, got {self.l1}")
+        if self.max_moved is not None and self.max_moved < 1:
+            raise ValueError(f"max_moved must be >= 1 or None, got {self.max_moved}")
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    losses: dict[str, float]
+    metrics: dict[str, float]
+
+
+@dataclass
+class FitResult:
+    controller: Any  # what kind.build made (a PrototypeController for PROTOTYPE)
+    l1: float
+    epoch: int  # 0 = no epoch beat the identity on validation
+    val_accuracy: float
+    val_accuracy_before: float
+    history: list[dict]
+
+
+def batch_scores(enc: EncodedItems, items: torch.Tensor, logprobs: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Option scores (B, n_options) of the items (B,) from the log-probabilities of their positions (in the order
+    enc.positions(items) gives)."""
+    n_opt = enc.n_options
+    rank = torch.full((enc.n_items,), -1, dtype=torch.long)
+    rank[items] = torch.arange(items.shape[0])
+    option = enc.position_option[enc.positions(items)]  # (P,) global option index
+    local = rank[option // n_opt] * n_opt + option % n_opt
+    total = torch.zeros(items.shape[0] * n_opt, dtype=logprobs.dtype).index_add(0, local, logprobs)
+    if reduce == "mean":
+        lengths = enc.option_length.view(-1, n_opt)[items].reshape(-1)
+        total = total / lengths.to(logprobs.dtype)
+    return total.view(-1, n_opt)
+
+
+def fit_objective(kind: ControllerKind, log_factors: torch.Tensor, feats: CandidateFeatures, items: torch.Tensor,
+                  model: PrismForCausalLM, fixed: Any, args: FitArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the right option over items (B,), and the option scores (B, n_options)."""
+    enc = feats.enc
+    logprobs = kind.logprobs(log_factors, feats, enc.positions(items), model, fixed)
+    scores = batch_scores(enc, items, logprobs, args.reduce)
+    loss = torch.nn.functional.cross_entropy(scores / args.temperature, enc.answers[items])
+    return loss, scores
+
+
+def _train_step(kind, log_factors, optimizer, feats, items, model, fixed, args, l1) -> StepOutput:
+    optimizer.zero_grad()
+    loss, scores = fit_objective(kind, log_factors, feats, items, model, fixed, args)
+    loss.backward()
+    optimizer.step()
+    _project(log_factors, args, l1)
+    return StepOutput(loss=loss.detach(), losses={"ce": float(loss.detach())},
+                      metrics={"accuracy": accuracy(scores.detach(), feats.enc.answers[items]),
+                               "moved": int((log_factors != 0).sum())})
+
+
+@torch.no_grad()
+def _project(g: torch.Tensor, args: FitArgs, l1: float) -> None:
+    """Proximal L1 step (soft threshold lr * l1), the factor bounds, then the top-m cap."""
+    g.copy_(g.sign() * (g.abs() - args.lr * l1).clamp_min(0))
+    bound = math.log(args.max_factor)
+    g.clamp_(-bound, bound)
+    if args.max_moved is not None and int((g != 0).sum()) > args.max_moved:
+        keep = g.abs().topk(args.max_moved).indices
+        mask = torch.zeros_like(g, dtype=torch.bool)
+        mask[keep] = True
+        g.masked_fill_(~mask, 0.0)
+
+
+@torch.no_grad()
+def evaluate_fit(kind, log_factors, feats, model, fixed, args, batch_size: int = 64) -> dict[str, float]:
+    """Loss and accuracy of the fit objective on all items of feats (validation)."""
+    losses, scores = [], []
+    for lo in range(0, feats.enc.n_items, batch_size):
+        items = torch.arange(lo, min(lo + batch_size, feats.enc.n_items))
+        loss, s = fit_objective(kind, log_factors, feats, items, model, fixed, args)
+        losses.append(float(loss) * items.shape[0])
+        scores.append(s)
+    scores_all = torch.cat(scores)
+    return {"loss": sum(losses) / feats.enc.n_items, "accuracy": accuracy(scores_all, feats.enc.answers)}
+
+
+def fit_controller(kind: ControllerKind, model: PrismForCausalLM, fit: CandidateFeatures, val: CandidateFeatures,
+                   args: FitArgs, seed: int, l1: float, meta: dict | None = None) -> FitResult:
+    """Fit one controller (one L1 strength, one seed); keep the epoch with the best validation accuracy (then
+    loss), the identity (epoch 0) included."""
+    if not isinstance(kind, ControllerKind):
+        raise TypeError(f"kind must be a ControllerKind (e.g. PROTOTYPE), got {kind!r}")
+    n = model.config.n_prototypes
+    fixed = kind.fixed(model, seed)
+    g = torch.zeros(n, requires_grad=True)
+    optimizer = torch.optim.Adam([g], lr=args.lr)
+    order_rng = torch.Generator().manual_seed(seed)
+    start = evaluate_fit(kind, g.detach(), val, model, fixed, args)
+    best = (start["accuracy"], -start["loss"], 0, g.detach().clone())
+    history = [{"epoch": 0, "val_loss": start["loss"], "val_accuracy": start["accuracy"], "moved": 0}]
+    for epoch in range(1, args.epochs + 1):
+        order = torch.randperm(fit.enc.n_items, generator=order_rng)
+        train_loss, train_acc, steps = 0.0, 0.0, 0
+        for lo in range(0, order.shape[0], args.batch_size):
+            out = _train_step(kind, g, optimizer, fit, order[lo: lo + args.batch_size], model, fixed, args, l1)
+            train_loss += out.losses["ce"]
+            train_acc += out.metrics["accuracy"]
+            steps += 1
+        result = evaluate_fit(kind, g.detach(), val, model, fixed, args)
+        moved = int((g != 0).sum())
+        history.append({"epoch": epoch, "train_loss": train_loss / steps, "train_accuracy": train_acc / steps,
+                        "val_loss": result["loss"], "val_accuracy": result["accuracy"], "moved": moved})
+        logger.info("%s seed %d l1 %g epoch %d: train loss %.4f acc %.3f, val loss %.4f acc %.3f, %d moved", kind.name,
+                    seed, l1, epoch, train_loss / steps, train_acc / steps, result["loss"], result["accuracy"], moved)
+        if (result["accuracy"], -result["loss"]) > best[:2]:
+            best = (result["accuracy"], -result["loss"], epoch, g.detach().clone())
+    val_acc, _, epoch, log_factors = best
+    description = {**(meta or {}), "seed": seed, "l1": l1, "epoch": epoch, "val_accuracy": val_acc,
+                   "val_accuracy_before": start["accuracy"], "fit_args": asdict(args),
+                   "bank_fingerprint": bank_fingerprint(model)}
+    return FitResult(kind.build(log_factors, fixed, description), l1, epoch, val_acc, start["accuracy"], history)
+
+
+def fit_best(kind: ControllerKind, model: PrismForCausalLM, fit: CandidateFeatures, val: CandidateFeatures,
+             args: FitArgs, seed: int, meta: dict | None = None) -> FitResult:
+    """fit_controller for every L1 strength in args.l1; the best on validation (accuracy, then fewer moved)."""
+    results = [fit_controller(kind, model, fit, val, args, seed, l1, meta) for l1 in args.l1]
+    return max(results, key=lambda r: (r.val_accuracy, -len(r.controller.moved())))

@@ -1,9 +1,12 @@
-"""Data for prototype controllers (prism/controllers.py): multiple-choice tasks built from held-out documents, and a
+"""The controller experiment's data (bench/controllers.py): multiple-choice tasks built from held-out documents, and a
 labelled report of what fitted controllers moved.
 
-    python -m precompute.controllers build --checkpoint runs/prism/final --out runs/prism/tasks
-    python -m precompute.controllers build --corpus default --val-fraction 0.05 --out tasks/ --stats
-    python -m precompute.controllers describe --controllers runs/prism/ctl --db out.duckdb
+    python -m bench.controller_tasks build --checkpoint runs/prism/final --out runs/prism/tasks
+    python -m bench.controller_tasks build --corpus default --val-fraction 0.05 --out tasks/ --stats
+    python -m bench.controller_tasks describe --controllers runs/prism/ctl --db out.duckdb
+
+It lives beside the benchmarks, not among the precompute jobs: it writes evaluation items as JSONL files for the
+experiment (nothing the app reads, no database table), and describe reports on the experiment's fitted controllers.
 
 Which documents: only those the model never trained on, i.e. prism.data.is_validation(doc_id, val_fraction) with
 the training run's corpus and val_fraction (read from train_args.json beside --checkpoint). Those documents are
@@ -40,15 +43,15 @@ import json
 import logging
 import random
 import re
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from precompute.corpus import Document, iter_documents
+from prism import cli
+from prism.controller_fit import SPLITS, MCItem, write_items
 from prism.data import is_validation
-from prism.multiple_choice import SPLITS, MCItem, write_items
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +329,8 @@ def task_stats(items: list[MCItem]) -> dict:
 def describe(controllers: Path, db: str | None, top: int = 10, evidence: int = 1) -> dict:
     """Per task: the prototypes the seeds' prototype controllers raised and lowered most, with label, category and
     the top evidence snippet when a precompute database is given."""
-    from prism.controllers import load_controller, top_moved
+    from bench.controllers import top_moved
+    from prism.controllers import load_controller
 
     con = None
     if db is not None:
@@ -372,11 +376,9 @@ def _split_source(args: argparse.Namespace) -> tuple[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.controllers", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m bench.controller_tasks", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="write one items file per task (TASK.jsonl) into --out",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    build = cli.subparser(commands, "build", help="write one items file per task (TASK.jsonl) into --out")
     build.add_argument("--checkpoint", help="a checkpoint folder; its run's train_args.json gives corpus and "
                                             "val_fraction")
     build.add_argument("--corpus", help="corpus spec ('default', a file/folder/glob) when not from --checkpoint")
@@ -385,9 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     build.add_argument("--max-per-doc", type=int, default=48, help="items per document and task at most")
     build.add_argument("--stats", action="store_true", help="print item counts per split and source as JSON")
-    desc = commands.add_parser("describe", help="label the prototypes fitted controllers moved (JSON)",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    desc.add_argument("--controllers", required=True, help="the folder `python -m prism.controllers fit` wrote")
+    desc = cli.subparser(commands, "describe", help="label the prototypes fitted controllers moved (JSON)")
+    desc.add_argument("--controllers", required=True, help="the folder `python -m bench.controllers fit` wrote")
     desc.add_argument("--db", help="precompute database for labels and evidence")
     desc.add_argument("--top", type=int, default=10, help="prototypes per direction")
     return parser
@@ -396,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    with cli.expected_errors(parser, ValueError, FileNotFoundError):
         if args.command == "describe":
             result = describe(Path(args.controllers), args.db, args.top)
         else:
@@ -414,9 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                        indent=2))
             if not args.stats:
                 return result
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
-    sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")  # the command's output
+    cli.print_json(result, indent=2)  # the command's output
     return result
 
 
