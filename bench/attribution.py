@@ -94,7 +94,7 @@ class States:
 
 
 def _load_model(path: str):
-    from precompute.__main__ import load_model
+    from precompute.inputs import load_model
 
     model, tokenizer, _ = load_model(path)
     return model.eval(), tokenizer
@@ -113,7 +113,7 @@ def choose_queries(model, tokenizer, ns, train_ids: list[np.ndarray], train_docs
     rng = np.random.default_rng(ns.seed)
     windows, source = [], "held-out"
     if ns.corpus:
-        from precompute.__main__ import load_corpus
+        from precompute.inputs import load_corpus
 
         documents, _ = load_corpus(ns.corpus)
         for i, doc in enumerate(documents):
@@ -335,7 +335,7 @@ def _training_fingerprint(ids: np.ndarray, offsets: np.ndarray) -> str:
 
 def _database_fingerprint(ns) -> tuple[str, int]:
     """The fingerprint of the training sequences the database's cache holds, and its rank."""
-    from precompute.__main__ import DEFAULT_MODEL
+    from precompute.inputs import DEFAULT_MODEL
     from prism.backbones import load_tokenizer
 
     tokenizer = load_tokenizer(str(DEFAULT_MODEL if ns.model == "default" else ns.model))

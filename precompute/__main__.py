@@ -14,75 +14,20 @@ other arguments it is refused unless --overwrite. A killed build resumes where i
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from precompute import attribution, evidence
-from precompute.runs import JobArgsMismatch, connect, transaction
+from precompute.inputs import load_corpus, load_model, setup_distributed
+from precompute.runs import JobArgsMismatch, connect
 from precompute.schema import DEFAULT_JOBS, JOBS
-from prism import PrismForCausalLM
-from prism.backbones import load_tokenizer
+from precompute.ship import strip_text
 
 logger = logging.getLogger("precompute")
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "model"
-
-
-def setup_distributed() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_model(spec: str):
-    """(model, tokenizer, identity) for a save_pretrained folder with its tokenizer beside it, or 'default'."""
-    folder = DEFAULT_MODEL if spec == "default" else Path(spec)
-    if spec == "default" and not folder.exists():
-        raise FileNotFoundError(f"no default model is shipped yet ({folder}); give --model a folder written by "
-                                "PrismForCausalLM.save_pretrained")
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a PRISM model folder (no config.json); "
-                                "give a folder written by PrismForCausalLM.save_pretrained")
-    model = PrismForCausalLM.from_pretrained(folder).eval()
-    try:
-        tokenizer = load_tokenizer(str(folder))
-    except ValueError as err:
-        raise ValueError(f"{folder} has no tokenizer saved beside the model: {err}") from err
-    identity = {"path": folder.name, "weights_sha256": file_sha256(folder / "model.safetensors"),
-                "n_prototypes": model.config.n_prototypes, "top_k": model.config.top_k}
-    return model, tokenizer, identity
-
-
-def load_corpus(spec: str):
-    """(documents iterable, identity) for a corpus spec: a path, a hub dataset id or 'default'."""
-    from precompute import corpus
-
-    class Documents:  # re-iterable: every pass re-reads the source in the same order
-        def __iter__(self):
-            return corpus.iter_documents(spec)
-
-    identity: dict = {"spec": spec if not Path(spec).exists() else Path(spec).name}
-    if spec == "default":
-        identity["manifest"] = corpus.default_manifest()
-    elif Path(spec).exists():
-        from prism.data import corpus_fingerprint
-
-        identity["sha256"] = corpus_fingerprint(spec)
-    return Documents(), identity
 
 
 def build(ns: argparse.Namespace) -> dict:
@@ -129,29 +74,6 @@ def build(ns: argparse.Namespace) -> dict:
     finally:
         con.close()
     return summary
-
-
-def strip_text(db: Path, out: Path) -> dict:
-    """A pointer-only copy: document text, evidence token texts and context token texts removed; offsets, hashes
-    and every statistic kept. The app reads the text back from the installed corpus and checks the hashes."""
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose another --out")
-    tmp = out.with_name(out.name + ".partial")
-    tmp.unlink(missing_ok=True)
-    shutil.copyfile(db, tmp)
-    con = connect(tmp)
-    try:
-        with transaction(con):
-            con.execute("UPDATE documents SET text = NULL")
-            con.execute("UPDATE attribution_documents SET text = NULL")
-            con.execute("UPDATE evidence SET token = '', context_tokens = []")
-            con.execute("INSERT OR REPLACE INTO meta VALUES ('pointer_only', 'true')")
-        con.execute("CHECKPOINT")
-        counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("documents", "evidence")}
-    finally:
-        con.close()
-    tmp.replace(out)
-    return counts
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from precompute.__main__ import load_corpus, load_model
+    from precompute.inputs import load_corpus, load_model
 
     parser = build_parser()
     ns = parser.parse_args(argv)

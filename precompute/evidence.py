@@ -570,7 +570,7 @@ def evidence_args(ns: argparse.Namespace) -> EvidenceArgs:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from precompute.__main__ import load_corpus, load_model, setup_distributed
+    from precompute.inputs import load_corpus, load_model, setup_distributed
 
     parser = build_parser()
     ns = parser.parse_args(argv)

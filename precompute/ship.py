@@ -3,8 +3,8 @@
     python -m precompute.ship --model runs/main/prism/final --db runs/main/full.duckdb --out assets
 
 Writes OUT/model (the checkpoint's config.json and trainable-only model.safetensors, the tokenizer files) and
-OUT/prism-default.duckdb (a pointer-only copy of the database, see `python -m precompute strip-text`, without the
-evidence embeddings the app does not use, compacted). The model's
+OUT/prism-default.duckdb (a pointer-only copy of the database, strip_text below, also run by `python -m precompute
+strip-text`, without the evidence embeddings the app does not use, compacted). The model's
 config gains what it expects to run on: the backbone package and its version, the corpus manifest (package
 versions and a sha256 over every document), and the training run's arguments and token count, so a user can tell
 exactly which backbone and corpus versions the shipped evidence points into. Refuses a full (non trainable-only)
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import duckdb
 
-from precompute.runs import connect
+from precompute.runs import connect, transaction
 from prism import cli
 from prism.model import upgrade_config
 
@@ -82,8 +82,6 @@ def compact(src: Path, dst: Path) -> None:
 
 
 def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
-    from precompute.__main__ import strip_text
-
     evidence_args = _check(model, db)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -129,6 +127,29 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
     stripped.unlink()
     sizes = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     return {"files": sizes, "total_mb": sum(sizes.values()) / 2**20, "stripped": counts}
+
+
+def strip_text(db: Path, out: Path) -> dict:
+    """A pointer-only copy: document text, evidence token texts and context token texts removed; offsets, hashes
+    and every statistic kept. The app reads the text back from the installed corpus and checks the hashes."""
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose another --out")
+    tmp = out.with_name(out.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    shutil.copyfile(db, tmp)
+    con = connect(tmp)
+    try:
+        with transaction(con):
+            con.execute("UPDATE documents SET text = NULL")
+            con.execute("UPDATE attribution_documents SET text = NULL")
+            con.execute("UPDATE evidence SET token = '', context_tokens = []")
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('pointer_only', 'true')")
+        con.execute("CHECKPOINT")
+        counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("documents", "evidence")}
+    finally:
+        con.close()
+    tmp.replace(out)
+    return counts
 
 
 def build_parser() -> argparse.ArgumentParser:
