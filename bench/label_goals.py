@@ -5,7 +5,7 @@
     python -m bench.label_goals --db assets/prism-default.duckdb --draw 10 --seed 0  # plus 10 drawn labels
 
 Over the live prototypes (activation_count > 0): the share with a label no other live prototype has (goal >= 95%),
-the share of catch-all labels ("mixed tokens" and the like, precompute.contrast.CATCH_ALL; goal <= 3%), the mean
+the share of catch-all labels ("mixed tokens" and the like, precompute.labels.contrast.CATCH_ALL; goal <= 3%), the mean
 label_score (goal >= 0.85) and the mean sibling_score (goal >= 0.70; over the prototypes that have siblings, NULL
 in databases made before it existed; --rescore computes both scores of the stored labels afresh with the labels job's
 scoring code, which gives a sibling_score to labels made before it). --draw adds seeded random labels with their top
@@ -20,8 +20,8 @@ import random
 
 import duckdb
 
-from precompute.contrast import CATCH_ALL
-from precompute.labels import load_cards
+from precompute.labels.cards import load_cards
+from precompute.labels.contrast import CATCH_ALL
 from prism import cli
 
 GOALS = {"distinct_share": (">=", 0.95), "catch_all_share": ("<=", 0.03), "mean_label_score": (">=", 0.85),
@@ -60,8 +60,7 @@ def measure(con: duckdb.DuckDBPyConnection) -> dict:
 def rescore(con: duckdb.DuckDBPyConnection) -> dict:
     """Both held-out scores of the stored labels of the live prototypes, computed as the labels job does now (its
     stored seed and negatives): {mean_label_score, mean_sibling_score, with_sibling_score}."""
-    from precompute import contrast
-    from precompute.labels import N_NEGATIVES, negative_pool
+    from precompute.labels import N_NEGATIVES, contrast, negative_pool
 
     row = con.execute("SELECT args_json FROM runs WHERE job = 'labels'").fetchone()
     job = json.loads(row[0]) if row else {}

@@ -2,7 +2,7 @@
 
     python -m bench.labeler_compare --db runs/labels-v2.duckdb --n 50 --cache runs/llm-labels.json
 
---db is a database whose labels job ran with the default labeler (v2, precompute/contrast.py). The script draws n
+--db is a database whose labels job ran with the default labeler (v2, precompute/labels/contrast.py). The script draws n
 live prototypes (seeded), has the local instruct model (default: SmolLM2-135M-Instruct, the shipped backbone,
 converted by prism.backbones; never downloaded) label each from the same visible (even-ranked) evidence v2 saw, and
 scores both labels the way the labels job does: label_score against the job's seeded sample of other prototypes'
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import duckdb
 
-from precompute import contrast
 from precompute.labels import (
     MAX_LABEL_CHARS,
     N_NEGATIVES,
     LocalInstructLabeler,
     build_prompt,
+    contrast,
     load_cards,
     negative_pool,
     parse_reply,

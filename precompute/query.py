@@ -72,7 +72,7 @@ def _sibling_score_sql(con: duckdb.DuckDBPyConnection) -> str:
 
 def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
     """Everything a prototype card shows except the evidence snippets (see evidence()) and the siblings (see
-    siblings()). label_score and sibling_score are the label's two held-out AUROCs (precompute/labels.py)."""
+    siblings()). label_score and sibling_score are the label's two held-out AUROCs (precompute/labels/)."""
     pid = _check_id(con, prototype_id)
     cols = ["prototype_id", "label", "category", "label_score", _sibling_score_sql(con), "activation_count",
             "mean_activation", "max_activation", "x", "y", "hist_edges", "hist_counts"]
@@ -90,7 +90,7 @@ def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
 
 
 def siblings(con: duckdb.DuckDBPyConnection, prototype_id) -> list[dict]:
-    """The prototype's siblings (prototypes whose evidence shares its tokens; precompute/contrast.py), strongest
+    """The prototype's siblings (prototypes whose evidence shares its tokens; precompute/labels/contrast.py), strongest
     first: [{prototype_id, overlap, label, category, label_score, sibling_score, separation}, ...].
 
     overlap is in (0, 1] (1 = the same token mix); separation is a short "what separates them", e.g.
@@ -104,7 +104,7 @@ def siblings(con: duckdb.DuckDBPyConnection, prototype_id) -> list[dict]:
             SELECT s.sibling_id AS prototype_id, s.overlap, l.label, l.category, l.label_score, {sib}, s.separation
             FROM label_siblings s LEFT JOIN labels l ON l.prototype_id = s.sibling_id
             WHERE s.prototype_id = ? ORDER BY s.rank""", [pid])
-    from precompute.contrast import sibling_pairs
+    from precompute.labels.contrast import sibling_pairs
 
     pairs = sibling_pairs(con, pid).get(pid, [])
     out = []

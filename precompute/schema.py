@@ -131,8 +131,8 @@ DDL = {
             explanation VARCHAR,
             sibling_score DOUBLE              -- the same AUROC against the siblings' held-out evidence only
         )""",
-    # A prototype's siblings (precompute/contrast.py): prototypes whose evidence shares its tokens, strongest first,
-    # with what separates the two (the facts that lead in each).
+    # A prototype's siblings (precompute/labels/contrast.py): prototypes whose evidence shares its tokens, strongest
+    # first, with what separates the two (the facts that lead in each).
     "label_siblings": """
         CREATE TABLE IF NOT EXISTS label_siblings (
             prototype_id INTEGER NOT NULL,

@@ -30,7 +30,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_MODEL, embed
-from precompute.labels import WINDOW_AFTER, WINDOW_BEFORE, load_cards
+from precompute.labels.cards import WINDOW_AFTER, WINDOW_BEFORE, load_cards
 from precompute.runs import (
     JobArgsMismatch,
     connect,

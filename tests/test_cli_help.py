@@ -16,12 +16,21 @@ OWN_USAGE = {"prism.harness"}
 
 
 def commands() -> list[str]:
+    """Every command as it is typed after `python -m`: a module with main(argv), or a package whose __main__.py
+    has one (precompute, precompute.labels, ...)."""
     found = []
     for folder in ("prism", "precompute", "bench", "app"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             if re.search(r"^def main\(argv", path.read_text(), re.MULTILINE):
-                found.append(folder if path.stem == "__main__" else f"{folder}.{path.stem}")
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                found.append(".".join(parts[:-1] if parts[-1] == "__main__" else parts))
     return found
+
+
+def command_module(command: str) -> str:
+    """The module that holds a command's main: the package's __main__ for a package."""
+    package = (ROOT / command.replace(".", "/")).is_dir()
+    return f"{command}.__main__" if package else command
 
 
 def test_the_list_holds_the_commands_the_readme_names():
@@ -31,7 +40,7 @@ def test_the_list_holds_the_commands_the_readme_names():
 
 @pytest.mark.parametrize("module", commands())
 def test_every_command_has_help(module, capsys):
-    main = importlib.import_module(module if module != "precompute" else "precompute.__main__").main
+    main = importlib.import_module(command_module(module)).main
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Labeler v2 (precompute/contrast.py) on a made-up evidence database: prototypes that fire on the same token in
+"""Labeler v2 (precompute/labels/contrast.py) on a made-up evidence database: prototypes that fire on the same token in
 different contexts get different labels; siblings are found; sibling_score equals an AUROC computed here from
 scratch; databases made before sibling_score still open read-only in the query layer.
 
@@ -16,9 +16,10 @@ import pytest
 from sklearn.metrics import roc_auc_score
 from test_labels import build_evidence_db
 
-from precompute import contrast, query
 from precompute import labels as labels_job
+from precompute import query
 from precompute.embed import embed
+from precompute.labels import contrast
 from precompute.runs import connect
 
 

@@ -72,16 +72,10 @@ def test_the_detector_finds_a_planted_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-# Cycles issue 18 removes with the precompute packages (labels split by responsibility); any other cycle fails, and
-# so does one of these once it is gone (then delete it here).
-KNOWN = {("precompute.contrast", "precompute.labels")}
-
-
 def test_no_import_cycle_among_project_modules():
     edges = graph()
     assert len(edges) > 40 and edges["app.ui"] and "app.core" in edges["app.ui"]
-    found = {tuple(sorted(set(c))) for c in cycles(edges)}
-    assert found == KNOWN
+    assert cycles(edges) == []
 
 
 def test_packages_import_downwards_only():

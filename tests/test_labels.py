@@ -37,6 +37,7 @@ from precompute.labels import (
     parse_reply,
     token_kind,
 )
+from precompute.labels.__main__ import main as labels_main
 from precompute.runs import JobArgsMismatch, connect, finish_job, start_job
 from precompute.schema import CATEGORIES
 
@@ -471,7 +472,7 @@ def test_labels_job_with_the_openai_labeler_via_cli(fake_server, tmp_path, capsy
         (200, '{"category": "numbers/time", "label": "year numbers", "explanation": "years"}'),
         (200, '{"category": "URLs", "label": "web address pieces", "explanation": "links"}'),
     ]
-    labels_job.main(["--db", str(path), "--labeler", "openai", "--endpoint", url, "--llm-model", "fake-model"])
+    labels_main(["--db", str(path), "--labeler", "openai", "--endpoint", url, "--llm-model", "fake-model"])
     rows = _table(path)
     assert [(r[0], r[1], r[2]) for r in rows] == [(0, "numbers/time", "year numbers"),
                                                   (3, "urls", "web address pieces")]
@@ -503,8 +504,8 @@ def test_local_labeler_loads_a_local_folder_only(tmp_path, monkeypatch):
 
 def test_cli_help_and_argument_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        labels_job.main(["--help"])
+        labels_main(["--help"])
     assert exit_info.value.code == 0 and "--labeler" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
-        labels_job.main(["--db", str(tmp_path / "x.duckdb"), "--labeler", "openai"])
+        labels_main(["--db", str(tmp_path / "x.duckdb"), "--labeler", "openai"])
     assert exit_info.value.code == 2 and "--endpoint" in capsys.readouterr().err

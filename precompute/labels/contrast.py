@@ -9,7 +9,7 @@ evidence shares its tokens: with s_P(t) the share of P's evidence rows on token 
 and Q is a sibling of P when overlap >= MIN_OVERLAP (at most N_SIBLINGS, strongest first). The label is built from
 what the database holds about the evidence the label may see (the even ranks; the odd ranks are held out):
 
-    head        the tokens and their kind, by the token rules of precompute.labels ("determiner 'the'",
+    head        the tokens and their kind, by the token rules of tokens.py ("determiner 'the'",
                 "suffix -eth", "'thou'/'thee'"); several unrelated tokens are listed, never "mixed tokens"
     modifiers   the word before / after the evidence token, its place in the sentence or line (sentence start,
                 line start, before punctuation), the source and topic of the evidence documents (Bible verse
@@ -26,7 +26,7 @@ The best candidate not already taken by another prototype wins (so labels are di
 the earlier candidate. Everything is deterministic: sorted SQL, seeded samples, one embedding call per list.
 
 Scores (both held out, both written by the labels job for every labeler):
-    label_score    AUROC against a seeded sample of other prototypes' contexts (precompute.labels)
+    label_score    AUROC against a seeded sample of other prototypes' contexts (scoring.py)
     sibling_score  AUROC of cos(label, context) separating the prototype's odd-ranked contexts from its siblings'
                    odd-ranked contexts only: does the label single it out among prototypes on the same tokens?
                    NULL for a prototype without siblings.
@@ -50,22 +50,13 @@ import duckdb
 import numpy as np
 
 from precompute.embed import EMBED_MODEL, embed
-from precompute.labels import (
-    _FUNCTION_WORDS,
-    _KIND_PHRASES,
-    MAX_LABEL_CHARS,
-    EvidenceContext,
-    LabelResult,
-    NegativePool,
-    OfflineLabeler,
-    PrototypeCard,
-    _quote,
-    auroc,
-    load_cards,
-    token_kind,
-)
+from precompute.labels.cards import EvidenceContext, PrototypeCard, load_cards
+from precompute.labels.labeler import MAX_LABEL_CHARS, LabelResult
+from precompute.labels.offline import OfflineLabeler
+from precompute.labels.scoring import NegativePool, auroc
+from precompute.labels.tokens import FUNCTION_WORDS, KIND_PHRASES, quote, token_kind
 
-logger = logging.getLogger("precompute.contrast")
+logger = logging.getLogger("precompute.labels.contrast")
 
 N_SIBLINGS = 12  # siblings kept per prototype, strongest overlap first
 MIN_OVERLAP = 0.2  # token-mix overlap from which another prototype counts as a sibling
@@ -78,7 +69,7 @@ RANDOM_WEIGHT = 0.8  # candidate objective: this * AUROC vs other prototypes + t
 # Phrases that say nothing about a prototype; the goals of issue 14 count labels containing them as catch-alls.
 CATCH_ALL = re.compile(r"\b(mixed|misc|miscellaneous|various|assorted|unclear)\b", re.IGNORECASE)
 SOURCE_PHRASES = {"kjv": "Bible verse", "wiki": "Wikipedia", "news": "news reports", "fineweb": "web pages"}
-_STOP = {w for words in _FUNCTION_WORDS.values() for w in words} | {"s", "t", "said", "unto", "shall", "thee", "thou",
+_STOP = {w for words in FUNCTION_WORDS.values() for w in words} | {"s", "t", "said", "unto", "shall", "thee", "thou",
                                                                      "thy", "ye", "hath", "also"}
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*[A-Za-z]")
 _CLAUSE_END = tuple(",.;:!?)]”\"")
@@ -235,7 +226,7 @@ def what_separates(p: Profile, q: Profile, q_id: int) -> str:
             lead = _lead(a, b, name)
             if lead:
                 key = lead[0][0]
-                out.append(fmt.format(key if name == "position" else _quote(str(key))))
+                out.append(fmt.format(key if name == "position" else quote(str(key))))
         src = _source_phrase(a)
         if src and src != _source_phrase(b):
             out.append(src)
@@ -254,7 +245,7 @@ def what_separates(p: Profile, q: Profile, q_id: int) -> str:
 
 
 def _display(core: str) -> str:
-    return "line break" if not core else _quote(core)
+    return "line break" if not core else quote(core)
 
 
 def heads(card: PrototypeCard) -> list[str]:
@@ -271,12 +262,12 @@ def heads(card: PrototypeCard) -> list[str]:
         out.append(phrase.split(" (")[0] if len(phrase) > 40 else phrase)
     elif n_top / n >= 0.5:
         top_kind = next(k for k in kinds if k.core == top)
-        singular = _KIND_PHRASES[top_kind.kind][1]
+        singular = KIND_PHRASES[top_kind.kind][1]
         out.append(singular if top_kind.kind == "whitespace" else f"{singular} {_display(top_kind.example)}")
     elif n_kind / n >= 0.6:
         examples = [c for c, _ in sorted(Counter(k.example for k in kinds if k.kind == kind).items(),
                                          key=lambda kv: (-kv[1], kv[0]))[:3]]
-        out.append(f"{_KIND_PHRASES[kind][0]} ({', '.join(e or 'line break' for e in examples)})")
+        out.append(f"{KIND_PHRASES[kind][0]} ({', '.join(e or 'line break' for e in examples)})")
     ranked = [c for c, _ in sorted(cores.items(), key=lambda kv: (-kv[1], kv[0]))]
     bare = "/".join(_display(c) for c in ranked[:2 if n_top / n < 0.5 else 1])
     if bare not in out:
@@ -312,7 +303,7 @@ def modifiers(p: Profile, ref: Profile, card: PrototypeCard, background: Profile
         mods["common"] = "with " + ", ".join(common)
     promoted = [t for t, v in card.logit_tokens if v > 0 and t.strip()]
     if promoted:
-        mods["promotes"] = f"predicting {_quote(promoted[0])}"
+        mods["promotes"] = f"predicting {quote(promoted[0])}"
     return mods
 
 

@@ -1,0 +1,73 @@
+"""The labels job's command line (precompute/labels/job.py).
+
+    python -m precompute.labels --db out.duckdb
+    python -m precompute.labels --db out.duckdb --labeler offline-v1
+    python -m precompute.labels --db out.duckdb --labeler openai --endpoint http://127.0.0.1:8000/v1 --llm-model qwen
+    python -m precompute.labels --db out.duckdb --labeler local --llm-model path/to/instruct-model
+
+Prints how many rows were written and the category mix with both mean scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from precompute.labels.job import LABELERS, N_NEGATIVES, category_mix, check_labeler_arguments, make_labeler, run
+from precompute.labels.labeler import LabelerError
+from precompute.runs import JobArgsMismatch, connect
+from prism import cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.parser("python -m precompute.labels", "The labels job: a broad category, a short specific role and "
+                        "two held-out scores for every prototype.")
+    parser.add_argument("--db", required=True, help="the precompute DuckDB file (with the evidence job done)")
+    # which labeler
+    parser.add_argument("--labeler", choices=LABELERS, default="offline",
+                        help="offline: v2, contrastive to the siblings (precompute/labels/contrast.py); "
+                             "offline-v1: token rules only")
+    parser.add_argument("--endpoint", help="openai: the API root, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--llm-model", help="openai: the model name; local: the model folder")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                        help="openai: environment variable holding the API key (the key is never stored)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="openai: seconds per request")
+    # the job
+    parser.add_argument("--seed", type=int, default=0, help="seed of the negative contexts for label_score")
+    parser.add_argument("--n-negatives", type=int, default=N_NEGATIVES, help="random contexts scored against")
+    parser.add_argument("--batch-size", type=int, default=64, help="prototypes per transaction")
+    parser.add_argument("--overwrite", action="store_true", help="replace labels made with other arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli.setup_logging()
+    with cli.expected_errors(parser, ValueError):  # the flags first: their errors need no database
+        check_labeler_arguments(args.labeler, args.endpoint, args.llm_model)
+    if not Path(args.db).is_file():
+        cli.fail(parser, f"no database at {args.db}: run the evidence job first (python -m precompute build)")
+    with cli.expected_errors(parser, JobArgsMismatch, LabelerError, RuntimeError, ValueError, FileNotFoundError):
+        labeler = make_labeler(args.labeler, args.endpoint, args.llm_model, os.environ.get(args.api_key_env),
+                               args.timeout)
+        con = connect(args.db)
+        try:
+            written = run(con, labeler, overwrite=args.overwrite, batch_size=args.batch_size, seed=args.seed,
+                          n_negatives=args.n_negatives)
+            mix = category_mix(con)
+        finally:
+            con.close()
+    total = sum(n for _, n, _, _ in mix)
+    print(f"labels: wrote {written} rows; {total} prototypes labelled")  # noqa: T201 - the command's output
+    for category, n, score, sibling in mix:
+        mean = f"{score:.3f}" if score is not None else "-"
+        sib = f"{sibling:.3f}" if sibling is not None else "-"
+        print(f"  {category:<24} {n:>6} {n / total:6.1%}  mean label_score {mean}  "  # noqa: T201
+              f"sibling_score {sib}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The labels job: one row per prototype of prototype_stats in `labels` (category, label, both held-out scores,
+labeler, explanation) and its siblings in `label_siblings`.
+
+    written = run(con, make_labeler("offline"), seed=0)     # or python -m precompute.labels --db out.duckdb
+
+The job is resumable: prototypes are labelled in id order, in chunks, and each chunk's rows are written together
+with its progress in one transaction, so a killed job that is started again writes exactly the rows an
+uninterrupted run writes. Its arguments (labeler, seed, ...) are stored; other arguments need --overwrite.
+For tests, the environment variable PRISM_CHUNK_SLEEP_S (precompute.runs.SLEEP_ENV) holds each chunk's
+transaction open that many seconds (after the rows are written, before the commit) so a test can kill the job
+mid-transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import duckdb
+from tqdm.auto import tqdm
+
+from precompute.embed import EMBED_MODEL
+from precompute.labels import contrast
+from precompute.labels.cards import WINDOW_AFTER, WINDOW_BEFORE, PrototypeCard, load_cards
+from precompute.labels.labeler import Labeler, LabelResult
+from precompute.labels.llm import LocalInstructLabeler, OpenAICompatibleLabeler
+from precompute.labels.offline import OfflineLabeler
+from precompute.labels.scoring import N_NEGATIVES, NegativePool, negative_pool, score_labels
+from precompute.runs import finish_job, job_done, job_run_id, remaining_prototypes, start_job, write_chunk
+from precompute.schema import CATEGORIES
+
+logger = logging.getLogger("precompute.labels")
+
+JOB = "labels"
+
+
+def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: NegativePool,
+                     context=None) -> list[tuple]:
+    """Rows of `labels` for the cards: label the even-ranked evidence, score on the odd-ranked. With a
+    precompute.labels.contrast.ContrastContext the rows also carry sibling_score (columns: LABEL_COLUMNS)."""
+    results, items = [], []
+    for card in cards:
+        train, held_out = card.split()
+        result = labeler.label(train)
+        if result.category not in CATEGORIES:  # a custom labeler's slip: keep the row, mark it
+            result = LabelResult("misc", result.label, f"(category {result.category!r} not in the taxonomy) "
+                                 f"{result.explanation}")
+        results.append(result)
+        items.append((card.prototype_id, result.label, held_out))
+    if context is None:
+        scores = [(s, None) for s in score_labels(items, pool)]
+    else:
+        scores = contrast.score_labels(context, pool, [(pid, label) for pid, label, _ in items])
+    return [(card.prototype_id, r.category, r.label, s, labeler.name, r.explanation, sib)
+            for card, r, (s, sib) in zip(cards, results, scores, strict=True)]
+
+
+LABEL_COLUMNS = ("prototype_id", "category", "label", "label_score", "labeler", "explanation", "sibling_score")
+
+
+def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrite: bool = False,
+        batch_size: int = 64, seed: int = 0, n_negatives: int = N_NEGATIVES) -> int:
+    """Label every prototype of prototype_stats; returns the number of rows written by this call.
+
+    Every labeler's rows get both held-out scores (label_score, sibling_score; precompute/labels/contrast.py) and the
+    prototype's siblings go into label_siblings. Resumable (see the module docstring); 'done' with the same
+    arguments writes nothing; other arguments raise JobArgsMismatch unless overwrite. batch_size is the number of
+    prototypes per transaction and not part of the job's arguments (the rows do not depend on it).
+    """
+    labeler = labeler or contrast.ContrastiveLabeler()
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not job_done(con, "evidence"):
+        raise RuntimeError("the evidence job has not finished in this database: run it first")
+    args = {"labeler": labeler.name, "labeler_model": getattr(labeler, "model_id", None), "embed_model": EMBED_MODEL,
+            "seed": seed, "n_negatives": n_negatives, "window": [WINDOW_BEFORE, WINDOW_AFTER],
+            "evidence_run": job_run_id(con, "evidence"),
+            "siblings": {"n": contrast.N_SIBLINGS, "min_overlap": contrast.MIN_OVERLAP, "n_select": contrast.N_SELECT}}
+    state = start_job(con, JOB, args, overwrite)
+    if state == "done":
+        logger.info("labels: already done with these arguments")
+        return 0
+    todo = remaining_prototypes(con, JOB)
+    logger.info("labels: %s run, %d prototypes to label with %s", state, len(todo), labeler.name)
+    pool = negative_pool(con, n_negatives, seed)
+    if hasattr(labeler, "prepare"):
+        labeler.prepare(pool.vectors)
+    context = contrast.build_context(con, pool, seed)
+    if hasattr(labeler, "prepare_contrast"):
+        labeler.prepare_contrast(context)
+    written = 0
+    insert = f"INSERT INTO labels ({', '.join(LABEL_COLUMNS)}) VALUES ({', '.join('?' * len(LABEL_COLUMNS))})"
+    with tqdm(total=len(todo), desc="labels", unit="prototype") as bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            rows = label_prototypes(load_cards(con, chunk), labeler, pool, context)
+            siblings = [row for pid in chunk for row in contrast.separations(context, pid)]
+
+            def write(rows=rows, siblings=siblings, chunk=chunk) -> None:
+                con.execute("DELETE FROM labels WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+                con.execute("DELETE FROM label_siblings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+                con.executemany(insert, rows)
+                if siblings:
+                    con.executemany("INSERT INTO label_siblings VALUES (?, ?, ?, ?, ?)", siblings)
+
+            write_chunk(con, JOB, write, str(chunk[-1]))
+            written += len(rows)
+            bar.update(len(chunk))
+            logger.info("labels: committed prototypes %d-%d (%d/%d)", chunk[0], chunk[-1], start + len(chunk),
+                        len(todo))
+    finish_job(con, JOB)
+    return written
+
+
+LABELERS = ("offline", "offline-v1", "openai", "local")
+
+
+def check_labeler_arguments(kind: str, endpoint: str | None = None, model: str | None = None) -> None:
+    """The argument errors make_labeler raises, found without building anything (no model loaded, no request)."""
+    if kind not in LABELERS:
+        raise ValueError(f"unknown labeler {kind!r}: offline, offline-v1, openai or local")
+    if kind == "openai" and (not endpoint or not model):
+        raise ValueError("--labeler openai needs --endpoint URL and --llm-model NAME")
+    if kind == "local" and not model:
+        raise ValueError("--labeler local needs --llm-model FOLDER (a local transformers model)")
+
+
+def make_labeler(kind: str, endpoint: str | None = None, model: str | None = None, api_key: str | None = None,
+                 timeout: float = 60.0) -> Labeler:
+    """The labeler the command line names: offline (v2, contrastive) | offline-v1 | openai (endpoint + model) |
+    local (model folder)."""
+    check_labeler_arguments(kind, endpoint, model)
+    if kind == "offline":
+        return contrast.ContrastiveLabeler()
+    if kind == "offline-v1":
+        return OfflineLabeler()
+    if kind == "openai":
+        return OpenAICompatibleLabeler(endpoint, model, api_key=api_key, timeout=timeout)
+    return LocalInstructLabeler(model)
+
+
+def category_mix(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int, float]]:
+    """(category, prototypes, mean label_score, mean sibling_score) from the labels table, largest first."""
+    return con.execute("SELECT category, count(*) AS n, avg(label_score), avg(sibling_score) FROM labels "
+                       "GROUP BY category ORDER BY n DESC, category").fetchall()
