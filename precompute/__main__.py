@@ -9,84 +9,71 @@ in that order.
 
 Every job stores its arguments in the database; running it again with the same arguments does nothing, with
 other arguments it is refused unless --overwrite. A killed build resumes where it stopped.
+
+This module is the command line only: the jobs are precompute/jobs.py's registry (each a name, an arguments dataclass
+and run(context)), their shared inputs precompute/inputs.py; build() loops over the registry.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from precompute import attribution, evidence
-from precompute.inputs import load_corpus, load_model, setup_distributed
-from precompute.runs import JobArgsMismatch, connect
+from precompute.inputs import Context, Inputs, rank_and_world, setup_distributed
+from precompute.jobs import REGISTRY
+from precompute.labels import LABELERS
+from precompute.runs import JobArgsMismatch
 from precompute.schema import DEFAULT_JOBS, JOBS
 from precompute.ship import strip_text
+from prism import cli
 
 logger = logging.getLogger("precompute")
 
 
 def build(ns: argparse.Namespace) -> dict:
-    jobs = [j.strip() for j in ns.jobs.split(",") if j.strip()]
-    unknown = [j for j in jobs if j not in JOBS]
+    """Run the jobs --jobs names, in registry order, with one set of inputs: the all-ranks jobs (evidence) on every
+    rank, then, once every rank finished them, the others on rank 0."""
+    names = [j.strip() for j in ns.jobs.split(",") if j.strip()]
+    unknown = [j for j in names if j not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown jobs {unknown}; jobs are {', '.join(JOBS)}")
-    model, tokenizer, model_info = load_model(ns.model)
-    documents, corpus_info = load_corpus(ns.corpus)
-    summary: dict = {}
+    jobs = [job for job in REGISTRY.values() if job.name in names]
+    args = {job.name: job.args_from(ns) for job in jobs}  # every job's arguments are checked before any job runs
+    inputs = Inputs(ns.db, ns.model, ns.corpus)
+    inputs.model()  # a bad --model or --corpus fails here, before any job runs
+    inputs.corpus()
     setup_distributed()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if "evidence" in jobs:
-        summary["evidence"] = evidence.run(ns.db, model, tokenizer, documents, evidence.evidence_args(ns),
-                                           {"model": model_info, "corpus": corpus_info}, overwrite=ns.overwrite)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank != 0:
-        return summary
-    if "attribution" in jobs:
-        summary["attribution"] = attribution.run(ns.db, model, tokenizer, documents, attribution.attribution_args(ns),
-                                                 {"model": model_info, "corpus": corpus_info}, overwrite=ns.overwrite)
-    con = connect(ns.db)
+    rank, _ = rank_and_world()
+    summary: dict = {}
     try:
-        if "labels" in jobs:
-            from precompute import labels
-
-            summary["labels"] = labels.run(con, labels.make_labeler(ns.labeler, endpoint=ns.endpoint,
-                                                                    model=ns.llm_model), overwrite=ns.overwrite,
-                                         seed=ns.seed)
-        if "search" in jobs:
-            from precompute import search
-
-            summary["search"] = search.run(con, overwrite=ns.overwrite)
-        if "map" in jobs:
-            from precompute import map as proto_map
-
-            vectors = model.prototypes.weight.detach().float().numpy()
-            summary["map"] = proto_map.run(con, vectors, seed=ns.seed, overwrite=ns.overwrite)
-        if "presets" in jobs:
-            from precompute import presets
-
-            summary["presets"] = presets.run(con, presets.PresetArgs(), overwrite=ns.overwrite)
+        for job in jobs:
+            if job.all_ranks:
+                summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite))
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            return summary
+        for job in jobs:
+            if not job.all_ranks:
+                summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite))
     finally:
-        con.close()
+        inputs.close()
     return summary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = cli.parser("python -m precompute", __doc__, formatter="raw", epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="run the jobs into a database",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b = cli.subparser(sub, "build", help="run the jobs into a database")
     evidence.add_arguments(b)
     b.add_argument("--jobs", default=",".join(DEFAULT_JOBS),
                    help=f"comma-separated subset of {', '.join(JOBS)} (attribution only when named)")
     attribution.add_arguments(b.add_argument_group("attribution"), shared=True)
-    b.add_argument("--labeler", default="offline", choices=("offline", "offline-v1", "openai", "local"),
+    b.add_argument("--labeler", default="offline", choices=LABELERS,
                    help="offline: labeler v2 (against siblings); offline-v1: the first, token-rule labeler")
     b.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL for --labeler openai")
     b.add_argument("--llm-model", default=None, help="model name (openai) or local folder (local)")
@@ -100,19 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli.setup_logging()
     try:
-        if ns.command == "strip-text":
-            result = strip_text(Path(ns.db), Path(ns.out))
-        else:
-            result = build(ns)
-    except (ValueError, FileNotFoundError, FileExistsError, JobArgsMismatch) as err:
-        parser.error(str(err))
+        with cli.expected_errors(parser, ValueError, FileNotFoundError, FileExistsError, JobArgsMismatch):
+            result = strip_text(Path(ns.db), Path(ns.out)) if ns.command == "strip-text" else build(ns)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    json.dump(result, sys.stdout, default=str)
-    sys.stdout.write("\n")
+    cli.print_json(result)
     return result
 
 

@@ -46,8 +46,9 @@ import torch
 from tqdm.auto import tqdm
 
 from precompute.evidence import Window, document_windows
+from precompute.inputs import Context, Inputs, Job
 from precompute.runs import connect, finish_job, get_progress, job_done, set_progress, start_job, transaction
-from prism import PrismForCausalLM
+from prism import PrismForCausalLM, cli
 from prism.attribution import (
     BlockWhitening,
     CachedIndex,
@@ -63,7 +64,7 @@ from prism.attribution import (
 
 logger = logging.getLogger("precompute.attribution")
 
-JOB = "attribution"
+NAME = "attribution"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 # Testing hook: "fit:N" or "vectors:N" kills this process with SIGKILL after chunk N of that pass, before the
 # chunk's checkpoint (fit) or right after its commit (vectors).
 KILL_HOOK = "PRISM_ATTRIBUTION_KILL_AT"
@@ -355,15 +356,15 @@ def _write_factors(con, model, tokenizer, state: FitState, work: Path, args: Att
         con.register("incoming", frame)
         con.execute('INSERT INTO attribution_factors SELECT name, row, "values" FROM incoming')
         con.unregister("incoming")
-        set_progress(con, JOB, "phase", "vectors")
-        set_progress(con, JOB, "next_sequence", "0")
+        set_progress(con, NAME, "phase", "vectors")
+        set_progress(con, NAME, "next_sequence", "0")
 
 
 def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor], state: FitState,
                    args: AttributionArgs, files: TokenFiles, offsets: np.ndarray) -> int:
     """Pass 3: the cached vectors, chunk by chunk, each chunk committed with its progress."""
     whitening, basis = index_parts
-    start = int(get_progress(con, JOB, "next_sequence", "0"))
+    start = int(get_progress(con, NAME, "next_sequence", "0"))
     written = 0
     bar = tqdm(desc="attribution: vectors", unit="seq", initial=start, total=state.n_sequences)
     for chunk_number, lo in enumerate(range(start, state.n_sequences, args.sequences_per_chunk), start=1):
@@ -385,7 +386,7 @@ def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor],
             con.execute("INSERT INTO attribution_vectors SELECT prototype_id, sequence_id, vector, token_positions, "
                         "activations, target_ids FROM incoming")
             con.unregister("incoming")
-            set_progress(con, JOB, "next_sequence", str(hi))
+            set_progress(con, NAME, "next_sequence", str(hi))
         written += len(frame)
         bar.update(hi - lo)
         _kill_at("vectors", chunk_number)
@@ -401,7 +402,7 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
     work = work_folder(db)
     con = connect(db)
     try:
-        status = start_job(con, JOB, {**job_args, **asdict(args)}, overwrite=overwrite)
+        status = start_job(con, NAME, {**job_args, **asdict(args)}, overwrite=overwrite)
         if status == "done":
             logger.info("attribution already built with these arguments in %s", db)
             shutil.rmtree(work, ignore_errors=True)
@@ -412,12 +413,12 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
         state = run_fit(model, tokenizer, documents, args, work)
         files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
         offsets = _sequence_token_ranges(state)
-        if get_progress(con, JOB, "phase") != "vectors":
+        if get_progress(con, NAME, "phase") != "vectors":
             _write_factors(con, model, tokenizer, state, work, args, files, offsets)
         factors = load_factors(con)
         written = _write_vectors(con, model, _index_parts(factors), state, args, files, offsets)
         with transaction(con):
-            finish_job(con, JOB)
+            finish_job(con, NAME)
         summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
                    "rows": con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0],
                    "rows_this_run": written, "rank": int(factors["basis"].shape[1])}
@@ -433,7 +434,7 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
 
 
 def has_attribution(con: duckdb.DuckDBPyConnection) -> bool:
-    return job_done(con, JOB)
+    return job_done(con, NAME)
 
 
 def load_factors(con: duckdb.DuckDBPyConnection) -> dict[str, np.ndarray]:
@@ -661,9 +662,19 @@ def attribution_args(ns: argparse.Namespace) -> AttributionArgs:
                            damping=ns.attribution_damping, sequences_per_chunk=ns.attribution_chunk)
 
 
+def run_job(context: Context) -> dict | None:
+    """The job interface (precompute/inputs.py)."""
+    model, tokenizer, _ = context.inputs.model()
+    documents, _ = context.inputs.corpus()
+    return run(context.inputs.db, model, tokenizer, documents, context.args, context.inputs.identity(),
+               overwrite=context.overwrite)
+
+
+JOB = Job(NAME, AttributionArgs, run_job, args_from=attribution_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.attribution", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m precompute.attribution", __doc__)
     parser.add_argument("--model", required=True, help="a folder written by PrismForCausalLM.save_pretrained with its "
                                                        "tokenizer beside it, or 'default'")
     parser.add_argument("--corpus", required=True, help="a path, a hub dataset id (id[:config]) or 'default'")
@@ -674,19 +685,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    from precompute.inputs import load_corpus, load_model
-
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    inputs = Inputs(ns.db, ns.model, ns.corpus)
+    with cli.expected_errors(parser, ValueError, FileNotFoundError):
         args = attribution_args(ns)
-        model, tokenizer, model_info = load_model(ns.model)
-        documents, corpus_info = load_corpus(ns.corpus)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
-    return run(ns.db, model, tokenizer, documents, args, {"model": model_info, "corpus": corpus_info},
-               overwrite=ns.overwrite)
+        inputs.model()
+        inputs.corpus()
+    try:
+        return JOB.run(Context(inputs, args, ns.overwrite))
+    finally:
+        inputs.close()
 
 
 if __name__ == "__main__":

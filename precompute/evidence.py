@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from precompute.inputs import Context, Inputs, Job, setup_distributed
 from precompute.runs import connect, finish_job, start_job, transaction
-from prism import PrismForCausalLM
+from prism import PrismForCausalLM, cli
 
 logger = logging.getLogger("precompute.evidence")
 
-JOB = "evidence"
+NAME = "evidence"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 POSITION_BITS = 24  # key = doc_index << POSITION_BITS | token_position: documents up to 16M tokens
 # Testing hook: kill this process with SIGKILL after processing chunk N, before its checkpoint is saved.
 KILL_HOOK = "PRISM_EVIDENCE_KILL_AFTER_CHUNK"
@@ -467,7 +468,7 @@ def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, t
             columns = ", ".join(frame.column_names)
             con.execute(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM incoming")
             con.unregister("incoming")
-        finish_job(con, JOB)
+        finish_job(con, NAME)
     tokens = sum(json.loads((work / f"shard-rank{r}.done").read_text())["tokens"] for r in range(world))
     return {"tokens": tokens, "evidence_rows": len(top), "documents": len(docs)}
 
@@ -509,7 +510,7 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Evi
     work = work_folder(db)
     if rank == 0:
         con = connect(db)
-        status = start_job(con, JOB, {**job_args, **asdict(args), "world_size": world}, overwrite=overwrite)
+        status = start_job(con, NAME, {**job_args, **asdict(args), "world_size": world}, overwrite=overwrite)
         if status == "new":
             shutil.rmtree(work, ignore_errors=True)
         con.close()
@@ -547,9 +548,16 @@ def _broadcast(value):
     return box[0]
 
 
+def run_job(context: Context) -> dict | None:
+    """The job interface (precompute/inputs.py): this rank's part, and on rank 0 the merge."""
+    model, tokenizer, _ = context.inputs.model()
+    documents, _ = context.inputs.corpus()
+    return run(context.inputs.db, model, tokenizer, documents, context.args, context.inputs.identity(),
+               overwrite=context.overwrite)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m precompute.evidence", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m precompute.evidence", __doc__)
     add_arguments(parser)
     return parser
 
@@ -569,23 +577,23 @@ def evidence_args(ns: argparse.Namespace) -> EvidenceArgs:
     return EvidenceArgs(**{k: getattr(ns, k) for k in asdict(EvidenceArgs())})
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    from precompute.inputs import load_corpus, load_model, setup_distributed
+JOB = Job(NAME, EvidenceArgs, run_job, args_from=evidence_args, all_ranks=True)
 
+
+def main(argv: list[str] | None = None) -> dict | None:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    cli.setup_logging()
+    inputs = Inputs(ns.db, ns.model, ns.corpus)
+    with cli.expected_errors(parser, ValueError, FileNotFoundError):
         args = evidence_args(ns)
-        model, tokenizer, model_info = load_model(ns.model)
-        documents, corpus_info = load_corpus(ns.corpus)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+        inputs.model()
+        inputs.corpus()
     setup_distributed()
     try:
-        return run(ns.db, model, tokenizer, documents, args, {"model": model_info, "corpus": corpus_info},
-                   overwrite=ns.overwrite)
+        return JOB.run(Context(inputs, args, ns.overwrite))
     finally:
+        inputs.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

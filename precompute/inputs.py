@@ -1,23 +1,39 @@
-"""What the precompute jobs read, in one place: the model (a folder written by PrismForCausalLM.save_pretrained
-with its tokenizer beside it, or the shipped default), the corpus (a spec: 'default', a local path or a hub
-dataset id) with the identities stored beside every job's output, and the distributed set-up under torchrun.
+"""What the precompute jobs read, in one place, and the interface every job follows.
+
+Inputs: the model (a folder written by PrismForCausalLM.save_pretrained with its tokenizer beside it, or the shipped
+default), the corpus (a spec: 'default', a local path or a hub dataset id) with the identities stored beside every
+job's output, the database, and the distributed set-up under torchrun.
 
     model, tokenizer, model_identity = load_model("runs/prism/final")      # or "default": assets/model
     documents, corpus_identity = load_corpus("default")                     # re-iterable, same order every pass
     setup_distributed()                                                     # gloo process group under torchrun
 
-The jobs' own command lines and `python -m precompute build` load their inputs through here; nothing imports
-precompute/__main__.py.
+The job interface: a Job is a name, an arguments dataclass and run(context), where the Context holds the build's
+shared Inputs (each loaded once), the job's arguments and --overwrite. precompute/jobs.py lists the jobs in build
+order; `python -m precompute build` and each job's own command line run them through it:
+
+    inputs = Inputs("out.duckdb", model="runs/prism/final", corpus="default")
+    summary = search.JOB.run(Context(inputs, search.SearchArgs(), overwrite=False))
+    inputs.close()
+
+Nothing imports precompute/__main__.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import duckdb
+import numpy as np
 import torch.distributed as dist
 
+from precompute.runs import connect
 from prism import PrismForCausalLM
 from prism.backbones import load_tokenizer
 
@@ -83,3 +99,90 @@ def load_corpus(spec: str):
 
         identity["sha256"] = corpus_fingerprint(spec)
     return Documents(), identity
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The job interface: every job is a name, an arguments dataclass and run(context); precompute/jobs.py lists them.
+
+
+class Inputs:
+    """A build's shared inputs, each loaded on first use and then kept, so every job of a build uses one model, one
+    corpus and one database connection.
+
+        inputs = Inputs("out.duckdb", model="runs/prism/final", corpus="default")
+        model, tokenizer, identity = inputs.model()
+        con = inputs.connection()          # opened (and the schema created) on first use
+        inputs.close()
+    """
+
+    def __init__(self, db: str | Path, model: str | None = None, corpus: str | None = None) -> None:
+        self.db = Path(db)
+        self.model_spec, self.corpus_spec = model, corpus
+        self._model = None
+        self._corpus = None
+        self._con: duckdb.DuckDBPyConnection | None = None
+
+    def model(self):
+        """(model, tokenizer, identity) of the model spec (load_model)."""
+        if self._model is None:
+            if self.model_spec is None:
+                raise ValueError("this job needs a model (--model)")
+            self._model = load_model(self.model_spec)
+        return self._model
+
+    def corpus(self):
+        """(documents, identity) of the corpus spec (load_corpus)."""
+        if self._corpus is None:
+            if self.corpus_spec is None:
+                raise ValueError("this job needs a corpus (--corpus)")
+            self._corpus = load_corpus(self.corpus_spec)
+        return self._corpus
+
+    def identity(self) -> dict:
+        """What the model and corpus jobs store with their output: {"model": ..., "corpus": ...}."""
+        return {"model": self.model()[2], "corpus": self.corpus()[1]}
+
+    def prototype_vectors(self) -> np.ndarray:
+        """The prototype bank (K, d) as float32: from the loaded model, else from the folder's weights alone (no
+        tokenizer needed)."""
+        if self._model is not None:
+            model = self._model[0]
+        else:
+            if self.model_spec is None:
+                raise ValueError("this job needs a model (--model)")
+            model = PrismForCausalLM.from_pretrained(model_folder(self.model_spec))
+        return model.prototypes.weight.detach().float().numpy()  # (K, d)
+
+    def connection(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            self._con = connect(self.db)
+        return self._con
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a job runs with: the build's inputs, its own arguments, and whether it may replace results that were
+    made with other arguments."""
+
+    inputs: Inputs
+    args: Any  # the job's arguments dataclass
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class Job:
+    """A precompute job. name: its row in `runs` and its tables in schema.JOB_TABLES; args_class: its arguments
+    (a dataclass, stored with its output); run(context) -> a summary (None on the ranks that do not merge);
+    args_from: its arguments from `python -m precompute build`'s flags; all_ranks: it runs on every rank of a
+    distributed build (the others run on rank 0, after every rank finished the all-ranks jobs)."""
+
+    name: str
+    args_class: type
+    run: Callable[[Context], Any]
+    args_from: Callable[[argparse.Namespace], Any]
+    all_ranks: bool = False

@@ -21,17 +21,19 @@ import argparse
 import hashlib
 import logging
 import warnings
+from dataclasses import dataclass
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-from precompute.runs import JobArgsMismatch, connect, finish_job, start_job
+from precompute.inputs import Context, Inputs, Job
+from precompute.runs import JobArgsMismatch, finish_job, start_job
 from prism import cli
 
 logger = logging.getLogger("precompute.map")
 
-JOB = "map"
+NAME = "map"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 METHODS = ("umap", "pca")
 UMAP_MIN_PROTOTYPES = 16
 N_NEIGHBORS = 15
@@ -101,7 +103,7 @@ def run(con: duckdb.DuckDBPyConnection, prototype_vectors: np.ndarray, seed: int
         raise ValueError(f"prototype vectors must be a (K, d) array, got shape {vectors.shape}")
     args = {"method": method, "seed": seed, "n_prototypes": int(vectors.shape[0]), "d_model": int(vectors.shape[1]),
             "vectors_sha256": fingerprint(vectors)}
-    if start_job(con, JOB, args, overwrite) == "done":
+    if start_job(con, NAME, args, overwrite) == "done":
         logger.info("map: already done with these arguments")
         return 0
     coords, used = layout(vectors, method, seed)  # (K, 2)
@@ -120,9 +122,24 @@ def run(con: duckdb.DuckDBPyConnection, prototype_vectors: np.ndarray, seed: int
     except BaseException:
         con.execute("ROLLBACK")
         raise
-    finish_job(con, JOB)
+    finish_job(con, NAME)
     logger.info("map: %d prototypes laid out with %s", len(coords), used)
     return len(coords)
+
+
+@dataclass
+class MapArgs:
+    method: str = "umap"  # umap, or pca (also what umap falls back to below UMAP_MIN_PROTOTYPES prototypes)
+    seed: int = 0  # UMAP's random_state
+
+
+def run_job(context: Context) -> int:
+    """The job interface (precompute/inputs.py): the layout of the model's prototype bank."""
+    return run(context.inputs.connection(), context.inputs.prototype_vectors(), seed=context.args.seed,
+               overwrite=context.overwrite, method=context.args.method)
+
+
+JOB = Job(NAME, MapArgs, run_job, args_from=lambda ns: MapArgs(seed=ns.seed))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,17 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli.setup_logging()
+    inputs = Inputs(args.db, model=args.model)
     with cli.expected_errors(parser, JobArgsMismatch, ValueError, FileNotFoundError):
-        from prism import PrismForCausalLM
-
-        model = PrismForCausalLM.from_pretrained(args.model)
-        vectors = model.prototypes.weight.detach().float().numpy()  # (K, d)
-        con = connect(args.db)
         try:
-            written = run(con, vectors, seed=args.seed, overwrite=args.overwrite, method=args.method)
-            methods = con.execute("SELECT DISTINCT method FROM prototype_map").fetchall()
+            written = JOB.run(Context(inputs, MapArgs(method=args.method, seed=args.seed), args.overwrite))
+            methods = inputs.connection().execute("SELECT DISTINCT method FROM prototype_map").fetchall()
         finally:
-            con.close()
+            inputs.close()
     used = ", ".join(m for (m,) in methods) or "-"
     print(f"map: wrote {written} rows ({used})")  # noqa: T201 - the command's output
     return written

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import duckdb
 
+from precompute.inputs import Context, Inputs, Job
 from precompute.runs import JobArgsMismatch, connect, finish_job, start_job, transaction
 from prism import cli
 
 logger = logging.getLogger("precompute.presets")
 
-JOB = "presets"
+NAME = "presets"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 REASONS = ("label", "next_token", "signature")
 
 
@@ -149,7 +150,7 @@ def find_prototypes(con: duckdb.DuckDBPyConnection, spec: PresetSpec, args: Pres
 
 def run(con: duckdb.DuckDBPyConnection, args: PresetArgs, overwrite: bool = False) -> dict[str, int]:
     """Find and store every preset in args.presets; returns {name: number of prototypes}."""
-    status = start_job(con, JOB, asdict(args), overwrite=overwrite)
+    status = start_job(con, NAME, asdict(args), overwrite=overwrite)
     if status == "done":
         stored = dict(con.execute("SELECT name, count(*) FROM presets GROUP BY name").fetchall())
         return {name: stored.get(name, 0) for name in args.presets}
@@ -167,7 +168,7 @@ def run(con: duckdb.DuckDBPyConnection, args: PresetArgs, overwrite: bool = Fals
                                 [[name, pid, reasons] for pid, reasons in found.items()])
             counts[name] = len(found)
             logger.info("preset %s: %d prototypes", name, len(found))
-        finish_job(con, JOB)
+        finish_job(con, NAME)
     return counts
 
 
@@ -181,6 +182,14 @@ def preset_prototypes(con: duckdb.DuckDBPyConnection, name: str) -> list[dict]:
         WHERE p.name = ? ORDER BY p.prototype_id""", [name])
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def run_job(context: Context) -> dict[str, int]:
+    """The job interface (precompute/inputs.py)."""
+    return run(context.inputs.connection(), context.args, overwrite=context.overwrite)
+
+
+JOB = Job(NAME, PresetArgs, run_job, args_from=lambda ns: PresetArgs())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,11 +233,11 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
         args = preset_args(ns)
         if not Path(ns.db).is_file():
             raise FileNotFoundError(f"no database at {ns.db}: run the evidence and labels jobs first")
-        con = connect(ns.db)
+        inputs = Inputs(ns.db)
         try:
-            counts = run(con, args, overwrite=ns.overwrite)
+            counts = JOB.run(Context(inputs, args, ns.overwrite))
         finally:
-            con.close()
+            inputs.close()
     print("presets: " + ", ".join(f"{name} {n} prototypes" for name, n in counts.items()))  # noqa: T201
     return counts
 

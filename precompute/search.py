@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -30,6 +31,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_MODEL, embed
+from precompute.inputs import Context, Inputs, Job
 from precompute.labels.cards import WINDOW_AFTER, WINDOW_BEFORE, load_cards
 from precompute.runs import (
     JobArgsMismatch,
@@ -45,7 +47,7 @@ from prism import cli
 
 logger = logging.getLogger("precompute.search")
 
-JOB = "search"
+NAME = "search"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 KINDS = ("label", "evidence")
 _CHUNK_VIEW = "search_chunk"  # the Arrow table of one chunk, registered while it is inserted
 
@@ -72,11 +74,11 @@ def run(con: duckdb.DuckDBPyConnection, overwrite: bool = False, batch_size: int
     args = {"embed_model": EMBED_MODEL, "label_text": label_text("{category}", "{label}"),
             "window": [WINDOW_BEFORE, WINDOW_AFTER], "labels_run": job_run_id(con, "labels"),
             "evidence_run": job_run_id(con, "evidence")}
-    state = start_job(con, JOB, args, overwrite)
+    state = start_job(con, NAME, args, overwrite)
     if state == "done":
         logger.info("search: already done with these arguments")
         return 0
-    todo = remaining_prototypes(con, JOB)
+    todo = remaining_prototypes(con, NAME)
     logger.info("search: %s run, %d prototypes to embed", state, len(todo))
     written = 0
     with tqdm(total=len(todo), desc="search", unit="prototype") as bar:
@@ -105,12 +107,12 @@ def run(con: duckdb.DuckDBPyConnection, overwrite: bool = False, batch_size: int
                     finally:
                         con.unregister(_CHUNK_VIEW)
 
-            write_chunk(con, JOB, write, str(chunk[-1]))
+            write_chunk(con, NAME, write, str(chunk[-1]))
             written += len(rows)
             bar.update(len(chunk))
             logger.info("search: committed prototypes %d-%d (%d/%d)", chunk[0], chunk[-1], start + len(chunk),
                         len(todo))
-    finish_job(con, JOB)
+    finish_job(con, NAME)
     return written
 
 
@@ -159,6 +161,19 @@ def label_search(con: duckdb.DuckDBPyConnection, text: str, k: int = 50) -> list
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
+@dataclass
+class SearchArgs:
+    batch_size: int = 64  # prototypes per transaction; not stored with the output (the rows do not depend on it)
+
+
+def run_job(context: Context) -> int:
+    """The job interface (precompute/inputs.py)."""
+    return run(context.inputs.connection(), overwrite=context.overwrite, batch_size=context.args.batch_size)
+
+
+JOB = Job(NAME, SearchArgs, run_job, args_from=lambda ns: SearchArgs())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("python -m precompute.search", __doc__)
     parser.add_argument("--db", required=True, help="the precompute DuckDB file (labels job done)")
@@ -193,11 +208,11 @@ def main(argv: list[str] | None = None) -> int | list[dict]:
             return results
         if not Path(args.db).is_file():
             raise FileNotFoundError(f"no database at {args.db}: run the evidence and labels jobs first")
-        con = connect(args.db)
+        inputs = Inputs(args.db)
         try:
-            written = run(con, overwrite=args.overwrite, batch_size=args.batch_size)
+            written = JOB.run(Context(inputs, SearchArgs(batch_size=args.batch_size), args.overwrite))
         finally:
-            con.close()
+            inputs.close()
     print(f"search: wrote {written} embeddings")  # noqa: T201 - the command's output
     return written
 

@@ -43,15 +43,25 @@ from precompute.labels.cards import (
     load_cards,
 )
 from precompute.labels.contrast import ContrastiveLabeler
-from precompute.labels.job import JOB, LABEL_COLUMNS, category_mix, label_prototypes, make_labeler, run
+from precompute.labels.job import (
+    JOB,
+    LABEL_COLUMNS,
+    LABELERS,
+    LabelsArgs,
+    category_mix,
+    label_prototypes,
+    make_labeler,
+    run,
+)
 from precompute.labels.labeler import MAX_LABEL_CHARS, Labeler, LabelerError, LabelResult, normalize_category
 from precompute.labels.llm import LocalInstructLabeler, OpenAICompatibleLabeler, build_prompt, parse_reply
 from precompute.labels.offline import OfflineLabeler
 from precompute.labels.scoring import N_NEGATIVES, NegativePool, auroc, negative_pool, score_labels
 from precompute.labels.tokens import TokenKind, token_kind
 
-__all__ = ["JOB", "LABEL_COLUMNS", "MAX_LABEL_CHARS", "N_NEGATIVES", "WINDOW_AFTER", "WINDOW_BEFORE",
-           "ContrastiveLabeler", "EvidenceContext", "LabelResult", "Labeler", "LabelerError", "LocalInstructLabeler",
-           "NegativePool", "OfflineLabeler", "OpenAICompatibleLabeler", "PrototypeCard", "TokenKind", "auroc",
-           "build_prompt", "category_mix", "clean_token", "context_pieces", "label_prototypes", "load_cards",
-           "make_labeler", "negative_pool", "normalize_category", "parse_reply", "run", "score_labels", "token_kind"]
+__all__ = ["JOB", "LABELERS", "LABEL_COLUMNS", "MAX_LABEL_CHARS", "N_NEGATIVES", "WINDOW_AFTER", "WINDOW_BEFORE",
+           "LabelsArgs", "ContrastiveLabeler", "EvidenceContext", "LabelResult", "Labeler", "LabelerError",
+           "LocalInstructLabeler", "NegativePool", "OfflineLabeler", "OpenAICompatibleLabeler",
+           "PrototypeCard", "TokenKind", "auroc", "build_prompt", "category_mix", "clean_token",
+           "context_pieces", "label_prototypes", "load_cards", "make_labeler", "negative_pool",
+           "normalize_category", "parse_reply", "run", "score_labels", "token_kind"]

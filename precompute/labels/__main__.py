@@ -11,12 +11,12 @@ Prints how many rows were written and the category mix with both mean scores.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from precompute.labels.job import LABELERS, N_NEGATIVES, category_mix, check_labeler_arguments, make_labeler, run
+from precompute.inputs import Context, Inputs
+from precompute.labels.job import JOB, LABELERS, N_NEGATIVES, LabelsArgs, category_mix
 from precompute.labels.labeler import LabelerError
-from precompute.runs import JobArgsMismatch, connect
+from precompute.runs import JobArgsMismatch
 from prism import cli
 
 
@@ -46,19 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cli.setup_logging()
     with cli.expected_errors(parser, ValueError):  # the flags first: their errors need no database
-        check_labeler_arguments(args.labeler, args.endpoint, args.llm_model)
+        job_args = LabelsArgs(labeler=args.labeler, endpoint=args.endpoint, llm_model=args.llm_model,
+                              api_key_env=args.api_key_env, timeout=args.timeout, seed=args.seed,
+                              n_negatives=args.n_negatives, batch_size=args.batch_size)
     if not Path(args.db).is_file():
         cli.fail(parser, f"no database at {args.db}: run the evidence job first (python -m precompute build)")
+    inputs = Inputs(args.db)
     with cli.expected_errors(parser, JobArgsMismatch, LabelerError, RuntimeError, ValueError, FileNotFoundError):
-        labeler = make_labeler(args.labeler, args.endpoint, args.llm_model, os.environ.get(args.api_key_env),
-                               args.timeout)
-        con = connect(args.db)
         try:
-            written = run(con, labeler, overwrite=args.overwrite, batch_size=args.batch_size, seed=args.seed,
-                          n_negatives=args.n_negatives)
-            mix = category_mix(con)
+            written = JOB.run(Context(inputs, job_args, args.overwrite))
+            mix = category_mix(inputs.connection())
         finally:
-            con.close()
+            inputs.close()
     total = sum(n for _, n, _, _ in mix)
     print(f"labels: wrote {written} rows; {total} prototypes labelled")  # noqa: T201 - the command's output
     for category, n, score, sibling in mix:

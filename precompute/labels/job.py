@@ -14,11 +14,14 @@ mid-transaction.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 import duckdb
 from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_MODEL
+from precompute.inputs import Context, Job
 from precompute.labels import contrast
 from precompute.labels.cards import WINDOW_AFTER, WINDOW_BEFORE, PrototypeCard, load_cards
 from precompute.labels.labeler import Labeler, LabelResult
@@ -30,7 +33,7 @@ from precompute.schema import CATEGORIES
 
 logger = logging.getLogger("precompute.labels")
 
-JOB = "labels"
+NAME = "labels"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 
 
 def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: NegativePool,
@@ -75,11 +78,11 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
             "seed": seed, "n_negatives": n_negatives, "window": [WINDOW_BEFORE, WINDOW_AFTER],
             "evidence_run": job_run_id(con, "evidence"),
             "siblings": {"n": contrast.N_SIBLINGS, "min_overlap": contrast.MIN_OVERLAP, "n_select": contrast.N_SELECT}}
-    state = start_job(con, JOB, args, overwrite)
+    state = start_job(con, NAME, args, overwrite)
     if state == "done":
         logger.info("labels: already done with these arguments")
         return 0
-    todo = remaining_prototypes(con, JOB)
+    todo = remaining_prototypes(con, NAME)
     logger.info("labels: %s run, %d prototypes to label with %s", state, len(todo), labeler.name)
     pool = negative_pool(con, n_negatives, seed)
     if hasattr(labeler, "prepare"):
@@ -102,12 +105,12 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
                 if siblings:
                     con.executemany("INSERT INTO label_siblings VALUES (?, ?, ?, ?, ?)", siblings)
 
-            write_chunk(con, JOB, write, str(chunk[-1]))
+            write_chunk(con, NAME, write, str(chunk[-1]))
             written += len(rows)
             bar.update(len(chunk))
             logger.info("labels: committed prototypes %d-%d (%d/%d)", chunk[0], chunk[-1], start + len(chunk),
                         len(todo))
-    finish_job(con, JOB)
+    finish_job(con, NAME)
     return written
 
 
@@ -136,6 +139,35 @@ def make_labeler(kind: str, endpoint: str | None = None, model: str | None = Non
     if kind == "openai":
         return OpenAICompatibleLabeler(endpoint, model, api_key=api_key, timeout=timeout)
     return LocalInstructLabeler(model)
+
+
+@dataclass
+class LabelsArgs:
+    labeler: str = "offline"  # one of LABELERS
+    endpoint: str | None = None  # openai: the API root
+    llm_model: str | None = None  # openai: the model name; local: the model folder
+    api_key_env: str | None = None  # openai: the environment variable holding the API key (never the key itself)
+    timeout: float = 60.0  # openai: seconds per request
+    seed: int = 0  # seed of the negative contexts for label_score
+    n_negatives: int = N_NEGATIVES
+    batch_size: int = 64  # prototypes per transaction; not stored with the output (the rows do not depend on it)
+
+    def __post_init__(self) -> None:
+        check_labeler_arguments(self.labeler, self.endpoint, self.llm_model)
+
+
+def run_job(context: Context) -> int:
+    """The job interface (precompute/inputs.py)."""
+    a = context.args
+    api_key = os.environ.get(a.api_key_env) if a.api_key_env else None
+    labeler = make_labeler(a.labeler, a.endpoint, a.llm_model, api_key, a.timeout)
+    return run(context.inputs.connection(), labeler, overwrite=context.overwrite, batch_size=a.batch_size,
+               seed=a.seed, n_negatives=a.n_negatives)
+
+
+JOB = Job(NAME, LabelsArgs, run_job,
+          args_from=lambda ns: LabelsArgs(labeler=ns.labeler, endpoint=ns.endpoint, llm_model=ns.llm_model,
+                                          seed=ns.seed))
 
 
 def category_mix(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int, float]]:
