@@ -17,6 +17,7 @@ import threading
 import weakref
 
 from app.core import AppError, Database, Generation, Studio
+from app.render import attribution_html
 from precompute import attribution as cache
 from prism.attribution import CachedIndex, query_gradient, top_sequences
 
@@ -85,7 +86,7 @@ def attribution_panel(studio: Studio, run: str, index, session) -> tuple[str, di
         head += '<p class="prism-attribution-status">Computed without the interventions.</p>'
     if data["message"]:
         return head + f"<p>{html.escape(data['message'])}</p>", _json(data)
-    return head + cache.rows_html(data["sequences"]), _json(data)
+    return head + attribution_html(data["sequences"]), _json(data)
 
 
 def _json(data: dict) -> dict:

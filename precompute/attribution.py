@@ -30,7 +30,6 @@ are refused unless --overwrite. The read side (load_index, attribution_rows) ser
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import logging
 import os
@@ -604,34 +603,6 @@ def _highlight(text: str, tokenizer, row: dict, weight: dict[int, float], contex
         pieces.append({"text": text[max(a, cursor):b], "activation": w, "target": pos == best})
         cursor = b
     return pieces
-
-
-def rows_html(rows: list[dict]) -> str:
-    """Escaped HTML cards for attribution rows (the app's panel)."""
-    from precompute.query import segments_html
-
-    cards = []
-    for r in rows:
-        source = html.escape(r.get("title") or r.get("doc_id") or "")
-        url = r.get("url") or ""
-        if url.startswith(("http://", "https://")):
-            source = (f'<a href="{html.escape(url, quote=True)}" target="_blank" rel="noopener noreferrer">'
-                      f"{source or html.escape(url)}</a>")
-        shares = [p for p in r["prototypes"] if p["contribution"] != 0][:4]
-        via = ", ".join(f"#{p['prototype_id']} {_number(p['contribution'])}" for p in shares)
-        body = html.escape(r["error"]) if r.get("error") else segments_html(r["segments"])
-        cards.append(
-            f'<div class="prism-evidence prism-attribution"><div class="prism-evidence-text">…{body}…</div>'
-            f'<div class="prism-evidence-source">#{r["rank"] + 1} · score {_number(r["score"])} · via {via} · '
-            f'{source} '
-            f'({html.escape(r.get("source") or "")}, {html.escape(r["doc_id"])}, tokens {r["seq_token_start"]}'
-            f'–{r["seq_token_end"]}, characters {r["char_start"]}–{r["char_end"]})</div></div>')
-    return "".join(cards)
-
-
-def _number(x: float) -> str:
-    """A signed score for people: whole numbers when large, three significant digits when small."""
-    return f"{x:+,.0f}" if abs(x) >= 100 else f"{x:+.3g}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

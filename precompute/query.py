@@ -154,7 +154,9 @@ def _segments(text: str, row: dict) -> list[dict]:
 
 
 def segments_html(segments: list[dict]) -> str:
-    """Escaped HTML: tokens shaded by activation, the evidence token outlined."""
+    """Escaped HTML: tokens shaded by activation, the evidence token outlined. The one piece of HTML left in
+    precompute/: evidence() adds it to each row because app/ui.py reads row["html"]; the app's other HTML is in
+    app/render.py, where this moves once the UI renders row["segments"] there."""
     out = []
     for s in segments:
         alpha = max(0.0, min(1.0, s["activation"]))

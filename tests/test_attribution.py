@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from helpers import random_ids, synthetic_documents, tiny_backbone_dir, tiny_prism
 
+from app.render import attribution_html
 from precompute import attribution as cache
 from precompute.__main__ import main as precompute_main
 from precompute.runs import JobArgsMismatch
@@ -260,7 +261,7 @@ def test_planted_training_sequence_ranks_first_for_reference_and_cached(loaded):
     assert text and text in PLANTED[rows[0]["char_start"]: rows[0]["char_end"]]
     assert sum(s["target"] for s in rows[0]["segments"]) == 1
     assert sum(p["contribution"] for p in rows[0]["prototypes"]) == pytest.approx(rows[0]["score"], rel=1e-5)
-    assert "outline" in cache.rows_html(rows)
+    assert "outline" in attribution_html(rows)
 
 
 def test_where_the_approximation_leaves_nothing_out_cached_equals_reference(setup, loaded, tmp_path):

@@ -1,0 +1,46 @@
+"""HTML for the app's panels, built from the plain rows the precompute layer returns (segments, scores, sources):
+precompute/ returns data, the app decides how it looks.
+
+    html = attribution_html(rows)          # precompute.attribution.attribution_rows -> the training-data cards
+    html = segments_html(row["segments"])  # a context: tokens shaded by activation, the target token outlined
+
+Every piece of text is escaped; a link is made only for http(s) addresses.
+
+segments_html still lives in precompute/query.py because query.evidence() adds it to each row as row["html"], which
+app/ui.py reads; it moves here once the UI renders row["segments"] through this module.
+"""
+
+from __future__ import annotations
+
+import html
+
+from precompute.query import segments_html
+
+__all__ = ["attribution_html", "segments_html", "signed_number"]
+
+
+def attribution_html(rows: list[dict]) -> str:
+    """Escaped HTML cards for attribution rows (the "training data behind this token" panel): the sequence's text
+    with its strongest tokens shaded, its score, the prototypes that carried it and its source."""
+    cards = []
+    for r in rows:
+        source = html.escape(r.get("title") or r.get("doc_id") or "")
+        url = r.get("url") or ""
+        if url.startswith(("http://", "https://")):
+            source = (f'<a href="{html.escape(url, quote=True)}" target="_blank" rel="noopener noreferrer">'
+                      f"{source or html.escape(url)}</a>")
+        shares = [p for p in r["prototypes"] if p["contribution"] != 0][:4]
+        via = ", ".join(f"#{p['prototype_id']} {signed_number(p['contribution'])}" for p in shares)
+        body = html.escape(r["error"]) if r.get("error") else segments_html(r["segments"])
+        cards.append(
+            f'<div class="prism-evidence prism-attribution"><div class="prism-evidence-text">…{body}…</div>'
+            f'<div class="prism-evidence-source">#{r["rank"] + 1} · score {signed_number(r["score"])} · via {via} · '
+            f'{source} '
+            f'({html.escape(r.get("source") or "")}, {html.escape(r["doc_id"])}, tokens {r["seq_token_start"]}'
+            f'–{r["seq_token_end"]}, characters {r["char_start"]}–{r["char_end"]})</div></div>')
+    return "".join(cards)
+
+
+def signed_number(x: float) -> str:
+    """A signed score for people: whole numbers when large, three significant digits when small."""
+    return f"{x:+,.0f}" if abs(x) >= 100 else f"{x:+.3g}"
