@@ -4,7 +4,7 @@
         --n-train 4096 --seq-len 128 --n-queries 50
 
 Steps (the paper's goals: cached >= 470x faster per query than EK-FAC at no more memory, top-10 overlap >= 0.80):
-1. the attribution job (precompute/attribution.py) builds the cache into --db over the first --n-train windows of
+1. the attribution job (precompute/attribution/) builds the cache into --db over the first --n-train windows of
    --corpus, in its own process (one-off cost: cached_build_s, cached_build_peak_rss_mb). A database that already
    holds the job is used as it is (its own sequences and settings) unless --rebuild.
 2. shared inputs, in --work: the training sequences' token ids (read back from the database, so every level sees
@@ -321,7 +321,9 @@ def ensure_cache(ns) -> dict:
         argv.append("--overwrite")
     t0 = time.perf_counter()
     if ns.in_process:
-        cache.main(argv[2:])
+        from precompute.attribution.__main__ import main as build_cache
+
+        build_cache(argv[2:])
         rss = _self_rss_mb()
     else:
         rss = _child(argv)

@@ -22,7 +22,7 @@ JOB_TABLES: dict[str, tuple[str, ...]] = {
 }
 JOBS = tuple(JOB_TABLES)
 # What `python -m precompute build` runs unless --jobs names them: every job but attribution, which is opt-in (a
-# pass over every training sequence plus a curvature fit; precompute/attribution.py).
+# pass over every training sequence plus a curvature fit; precompute/attribution/).
 DEFAULT_JOBS = tuple(job for job in JOBS if job != "attribution")
 
 DDL = {
@@ -165,7 +165,7 @@ DDL = {
             y DOUBLE NOT NULL,
             method VARCHAR NOT NULL
         )""",
-    # Training-data attribution (precompute/attribution.py, prism/attribution.py). The documents the training
+    # Training-data attribution (precompute/attribution/, prism/attribution.py). The documents the training
     # sequences come from; text NULL in pointer-only databases, as in documents.
     "attribution_documents": """
         CREATE TABLE IF NOT EXISTS attribution_documents (

@@ -152,7 +152,7 @@ def build_tiny_controller(studio, folder: Path, prompt: str, tokens: int):
 
 
 def build_tiny_attribution_db(root: Path, model: Path, db: Path) -> Path:
-    """A copy of the tiny database with the attribution cache added (precompute/attribution.py), as
+    """A copy of the tiny database with the attribution cache added (precompute/attribution/), as
     root/tiny-attribution.duckdb; reused when already there. The shared database stays as it is."""
     import shutil
 

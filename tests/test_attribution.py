@@ -1,4 +1,4 @@
-"""Training-data attribution (prism/attribution.py, precompute/attribution.py, bench/attribution.py).
+"""Training-data attribution (prism/attribution.py, precompute/attribution/, bench/attribution.py).
 
 Math against independent computations (autograd for the gradients, dense Kronecker algebra for the curvature), the
 meaning of the answers (a training sequence planted in the query ranks first for the reference and the cached
