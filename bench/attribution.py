@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from precompute import attribution as cache
-from precompute.evidence import document_windows
+from precompute.inputs import document_windows
 from prism import cli
 from prism.attribution import Query, pad_batch, query_gradient, reference_scores, top_overlap, top_sequences
 

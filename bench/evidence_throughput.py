@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from precompute.evidence import EvidenceArgs, RankState, document_windows, process_windows
-from precompute.inputs import load_corpus, load_model
+from precompute.evidence import EvidenceArgs, RankState, process_windows
+from precompute.inputs import document_windows, load_corpus, load_model
 from prism import cli
 
 

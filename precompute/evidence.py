@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from precompute.inputs import Context, Inputs, Job, setup_distributed
+from precompute.inputs import Context, Inputs, Job, Window, document_windows, setup_distributed
 from precompute.runs import connect, finish_job, start_job, transaction
 from prism import PrismForCausalLM, cli
 
@@ -210,32 +210,6 @@ class RankState:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Processing.
-
-
-@dataclass
-class Window:
-    doc_index: int
-    seq_start: int  # token positions in the document
-    ids: np.ndarray  # (L,)
-    offsets: np.ndarray  # (L, 2) character offsets
-    next_ids: np.ndarray  # (L,) the document's next token, -1 at its end
-
-
-def document_windows(doc_index: int, text: str, tokenizer, seq_len: int) -> tuple[list[Window], int]:
-    """Tokenize one document with character offsets and cut it into windows of seq_len tokens."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int32).reshape(-1, 2)
-    nxt = np.concatenate([ids[1:], [-1]]).astype(np.int32)
-    windows = [Window(doc_index, s, ids[s: s + seq_len], offsets[s: s + seq_len], nxt[s: s + seq_len])
-               for s in range(0, len(ids), seq_len)]
-    return windows, len(ids)
-
-
-def encode_sequence(text: str, tokenizer, seq_token_start: int, seq_token_end: int) -> torch.Tensor:
-    """The exact input sequence the job ran for a stored evidence row: (1, L) token ids."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids[seq_token_start:seq_token_end]], dtype=torch.long)
 
 
 @torch.no_grad()

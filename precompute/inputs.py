@@ -7,6 +7,7 @@ job's output, the database, and the distributed set-up under torchrun.
     model, tokenizer, model_identity = load_model("runs/prism/final")      # or "default": assets/model
     documents, corpus_identity = load_corpus("default")                     # re-iterable, same order every pass
     setup_distributed()                                                     # gloo process group under torchrun
+    windows, n_tokens = document_windows(0, doc.text, tokenizer, seq_len=256)   # the model inputs of a document
 
 The job interface: a Job is a name, an arguments dataclass and run(context), where the Context holds the build's
 shared Inputs (each loaded once), the job's arguments and --overwrite. precompute/jobs.py lists the jobs in build
@@ -31,6 +32,7 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from precompute.runs import connect
@@ -99,6 +101,37 @@ def load_corpus(spec: str):
 
         identity["sha256"] = corpus_fingerprint(spec)
     return Documents(), identity
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model inputs: the windows every job cuts a document into (the evidence job's rows and the attribution job's
+# training sequences are the same windows, so both point at the same token and character spans).
+
+
+@dataclass
+class Window:
+    doc_index: int
+    seq_start: int  # token positions in the document
+    ids: np.ndarray  # (L,)
+    offsets: np.ndarray  # (L, 2) character offsets
+    next_ids: np.ndarray  # (L,) the document's next token, -1 at its end
+
+
+def document_windows(doc_index: int, text: str, tokenizer, seq_len: int) -> tuple[list[Window], int]:
+    """Tokenize one document with character offsets and cut it into windows of seq_len tokens."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int32)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int32).reshape(-1, 2)
+    nxt = np.concatenate([ids[1:], [-1]]).astype(np.int32)
+    windows = [Window(doc_index, s, ids[s: s + seq_len], offsets[s: s + seq_len], nxt[s: s + seq_len])
+               for s in range(0, len(ids), seq_len)]
+    return windows, len(ids)
+
+
+def encode_sequence(text: str, tokenizer, seq_token_start: int, seq_token_end: int) -> torch.Tensor:
+    """The exact input sequence the job ran for a stored evidence row: (1, L) token ids."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids[seq_token_start:seq_token_end]], dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------------------------------------------

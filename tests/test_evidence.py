@@ -15,8 +15,9 @@ from helpers import tiny_backbone_dir, write_corpus
 
 from precompute.__main__ import main as precompute_main
 from precompute.corpus import iter_documents
-from precompute.evidence import KILL_HOOK, EvidenceArgs, encode_sequence
+from precompute.evidence import KILL_HOOK, EvidenceArgs
 from precompute.evidence import run as run_evidence
+from precompute.inputs import encode_sequence
 from precompute.query import UnknownPrototype, evidence, open_db, prototype_card, prototype_table
 from precompute.runs import JobArgsMismatch
 from prism import PrismConfig, PrismForCausalLM

@@ -3,9 +3,9 @@
     python -m precompute build --model runs/prism/final --corpus default --db out.duckdb --jobs attribution
     python -m precompute.attribution --model runs/prism/final --corpus default --db out.duckdb --max-sequences 4096
 
-The training sequences are the evidence job's windows (document_windows: --seq-len tokens per window, documents
-in corpus order), so every answer links to a document, a token span and a character span. The math is in
-prism/attribution.py; this job runs it over the corpus in three passes:
+The training sequences are the evidence job's windows (precompute.inputs.document_windows: --seq-len tokens per
+window, documents in corpus order), so every answer links to a document, a token span and a character span. The
+math is in prism/attribution.py; this job runs it over the corpus in three passes:
 
 1. fit: the model runs over every window once; per target token it keeps z, e = W^T (softmax - onehot), the
    active prototypes and activations in work files beside the database, and accumulates the curvature factors

@@ -21,8 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from precompute.attribution.cache import NAME, index_parts, load_factors
-from precompute.evidence import Window, document_windows
-from precompute.inputs import Context, Job
+from precompute.inputs import Context, Job, Window, document_windows
 from precompute.runs import connect, finish_job, get_progress, set_progress, start_job, transaction
 from prism import PrismForCausalLM
 from prism.attribution import (
