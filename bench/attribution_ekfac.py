@@ -1,4 +1,4 @@
-"""The EK-FAC peer of prototype-space attribution (PRISM.md section 4, level 3): kronfluence over the trainable
+"""The EK-FAC peer of prototype-space attribution (docs/DESIGN.md section 4, level 3): kronfluence over the trainable
 linear layers of a PRISM model, with the same loss, training sequences and queries as prism/attribution.py.
 
 The model kronfluence sees is TopLayers: it takes the hidden states entering the first trainable decoder layer

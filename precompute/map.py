@@ -1,6 +1,6 @@
-"""The map job: a 2-D layout of the prototype bank for the app's map of prototypes (PRISM.md section 5).
+"""The map job: a 2-D layout of the prototype bank for the app's map of prototypes (docs/DESIGN.md section 5).
 
-A prototype's direction decides where it activates (a = ReLU(cos(z, p_i)), PRISM.md section 1), so the layout is
+A prototype's direction decides where it activates (a = ReLU(cos(z, p_i)), docs/DESIGN.md section 1), so the layout is
 of directions: UMAP with the cosine metric on the (K, d) bank, random_state=seed (single-threaded, so the same
 seed gives the same map), n_neighbors = min(15, K - 1).
 

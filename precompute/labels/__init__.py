@@ -2,7 +2,7 @@
 
 Each prototype gets a category from the paper's taxonomy (schema.CATEGORIES: morphology, grammatical scaffolding,
 medical/bio, ...) and a label naming its specific role ("archaic 2nd-person pronoun", "year numbers", "suffix
--tion"); DESIGN.md section 6 says why. One row per prototype of prototype_stats goes into `labels`:
+-tion"); docs/DESIGN.md section 6 says why. One row per prototype of prototype_stats goes into `labels`:
 
     category      one of schema.CATEGORIES
     label         a few words naming the specific role
