@@ -467,8 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    cli.setup_logging()
+    ns = cli.parse(parser, argv)
     unknown = [lvl for lvl in ns.levels.split(",") if lvl not in LEVELS]
     if unknown:
         cli.fail(parser, f"unknown levels {unknown}; levels are {', '.join(LEVELS)}")

@@ -331,8 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict | list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     for name in ("prompts", "prompt_words", "max_new_tokens", "batch_size", "max_eval_tokens", "seq_len"):
         if getattr(args, name) < 1:
             cli.fail(parser, f"--{name.replace('_', '-')} must be >= 1")

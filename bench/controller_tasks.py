@@ -396,8 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     with cli.expected_errors(parser, ValueError, FileNotFoundError):
         if args.command == "describe":
             result = describe(Path(args.controllers), args.db, args.top)

@@ -341,8 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     logger.info("arguments: %s", json.dumps(vars(args)))
     with cli.expected_errors(parser, ValueError, FileNotFoundError):
         result = run_fit(args) if args.command == "fit" else run_eval(args)

@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only-cached", action="store_true",
                         help="compare only the drawn prototypes the cache already labels (no model run)")
     parser.add_argument("--cache", type=Path, default=None, help="JSON file keeping the model's labels")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     model = args.llm_model
     if model is None:
         from prism.backbones import smollm2_folder

@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per model (after 2 warm-up steps)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

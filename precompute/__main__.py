@@ -43,13 +43,12 @@ def build(ns: argparse.Namespace) -> dict:
         raise ValueError(f"unknown jobs {unknown}; jobs are {', '.join(JOBS)}")
     jobs = [job for job in REGISTRY.values() if job.name in names]
     args = {job.name: job.args_from(ns) for job in jobs}  # every job's arguments are checked before any job runs
-    inputs = Inputs(ns.db, ns.model, ns.corpus)
-    inputs.model()  # a bad --model or --corpus fails here, before any job runs
-    inputs.corpus()
-    setup_distributed()
-    rank, _ = rank_and_world()
     summary: dict = {}
-    try:
+    with Inputs(ns.db, ns.model, ns.corpus) as inputs:
+        inputs.model()  # a bad --model or --corpus fails here, before any job runs
+        inputs.corpus()
+        setup_distributed()
+        rank, _ = rank_and_world()
         for job in jobs:
             if job.all_ranks:
                 summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite))
@@ -60,8 +59,6 @@ def build(ns: argparse.Namespace) -> dict:
         for job in jobs:
             if not job.all_ranks:
                 summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite))
-    finally:
-        inputs.close()
     return summary
 
 
@@ -86,8 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    cli.setup_logging()
+    ns = cli.parse(parser, argv)
     try:
         with cli.expected_errors(parser, ValueError, FileNotFoundError, FileExistsError, JobArgsMismatch):
             result = strip_text(Path(ns.db), Path(ns.out)) if ns.command == "strip-text" else build(ns)

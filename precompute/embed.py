@@ -75,8 +75,7 @@ def embed(texts: list[str], batch_size: int = BATCH_SIZE, progress: bool | None 
 def main(argv: list[str] | None = None) -> np.ndarray:
     parser = cli.parser("python -m precompute.embed", __doc__, formatter="plain")
     parser.add_argument("texts", nargs="+", help="texts to embed")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     vectors = embed(args.texts)
     print(f"{EMBED_MODEL}: {vectors.shape[0]} x {vectors.shape[1]}")  # noqa: T201 - the command's output
     for i, text in enumerate(args.texts):

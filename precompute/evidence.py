@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from precompute.inputs import Context, Inputs, Job, Window, document_windows, setup_distributed
-from precompute.runs import connect, finish_job, start_job, transaction
+from precompute.inputs import Context, Job, Window, add_input_arguments, document_windows, job_command
+from precompute.runs import connect, finish_job, replacing_folder, saved_folder, start_job, transaction
 from prism import PrismForCausalLM, cli
 
 logger = logging.getLogger("precompute.evidence")
@@ -102,32 +102,23 @@ class RankState:
     # -- persistence ----------------------------------------------------------------------------------------
 
     def save(self, folder: Path) -> None:
-        """Atomic: write a new folder, then swap it in."""
+        """Atomic: write a new folder, then swap it in (runs.replacing_folder)."""
         self._prune_docs()
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         arrays = {"count": self.count, "sum": self.sum, "max": self.max, "hist": self.hist, **self.entries}
         if self.coact is not None:
             arrays["coact"] = self.coact
         else:
             keys = np.fromiter(self.coact_sparse.keys(), np.int64, len(self.coact_sparse))
             arrays["coact_keys"], arrays["coact_vals"] = keys, np.array([self.coact_sparse[k] for k in keys], np.int64)
-        np.savez(tmp / "arrays.npz", **arrays)
-        (tmp / "state.json").write_text(json.dumps({"docs_seen": self.docs_seen, "chunks": self.chunks,
-                                                     "tokens": self.tokens, "docs": self.docs}))
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
+        with replacing_folder(folder) as tmp:
+            np.savez(tmp / "arrays.npz", **arrays)
+            (tmp / "state.json").write_text(json.dumps({"docs_seen": self.docs_seen, "chunks": self.chunks,
+                                                         "tokens": self.tokens, "docs": self.docs}))
 
     @classmethod
     def load(cls, folder: Path, n_prototypes: int, args: EvidenceArgs) -> RankState:
         state = cls(n_prototypes, args)
-        if not folder.exists() and folder.with_name(folder.name + ".old").exists():
-            folder = folder.with_name(folder.name + ".old")  # killed between the two renames
+        folder = saved_folder(folder)
         if not folder.exists():
             return state
         with np.load(folder / "arrays.npz") as arrays:
@@ -538,11 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EvidenceArgs()
-    parser.add_argument("--model", required=True, help="a folder written by PrismForCausalLM.save_pretrained "
-                                                       "with its tokenizer beside it, or 'default'")
-    parser.add_argument("--corpus", required=True, help="a path, a hub dataset id (id[:config]) or 'default'")
-    parser.add_argument("--db", required=True, help="the DuckDB file to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace results made with other arguments")
+    add_input_arguments(parser)
     for name, value in asdict(defaults).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
 
@@ -555,21 +542,7 @@ JOB = Job(NAME, EvidenceArgs, run_job, args_from=evidence_args, all_ranks=True)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    cli.setup_logging()
-    inputs = Inputs(ns.db, ns.model, ns.corpus)
-    with cli.expected_errors(parser, ValueError, FileNotFoundError):
-        args = evidence_args(ns)
-        inputs.model()
-        inputs.corpus()
-    setup_distributed()
-    try:
-        return JOB.run(Context(inputs, args, ns.overwrite))
-    finally:
-        inputs.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return job_command(JOB, build_parser(), argv)
 
 
 if __name__ == "__main__":

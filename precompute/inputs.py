@@ -13,9 +13,8 @@ The job interface: a Job is a name, an arguments dataclass and run(context), whe
 shared Inputs (each loaded once), the job's arguments and --overwrite. precompute/jobs.py lists the jobs in build
 order; `python -m precompute build` and each job's own command line run them through it:
 
-    inputs = Inputs("out.duckdb", model="runs/prism/final", corpus="default")
-    summary = search.JOB.run(Context(inputs, search.SearchArgs(), overwrite=False))
-    inputs.close()
+    with Inputs("out.duckdb", model="runs/prism/final", corpus="default") as inputs:
+        summary = search.JOB.run(Context(inputs, search.SearchArgs(), overwrite=False))
 
 Nothing imports precompute/__main__.py.
 """
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from precompute.runs import connect
-from prism import PrismForCausalLM
+from prism import PrismForCausalLM, cli
 from prism.backbones import load_tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "model"
@@ -142,10 +141,9 @@ class Inputs:
     """A build's shared inputs, each loaded on first use and then kept, so every job of a build uses one model, one
     corpus and one database connection.
 
-        inputs = Inputs("out.duckdb", model="runs/prism/final", corpus="default")
-        model, tokenizer, identity = inputs.model()
-        con = inputs.connection()          # opened (and the schema created) on first use
-        inputs.close()
+        with Inputs("out.duckdb", model="runs/prism/final", corpus="default") as inputs:
+            model, tokenizer, identity = inputs.model()
+            con = inputs.connection()      # opened (and the schema created) on first use; closed on leaving
     """
 
     def __init__(self, db: str | Path, model: str | None = None, corpus: str | None = None) -> None:
@@ -155,20 +153,22 @@ class Inputs:
         self._corpus = None
         self._con: duckdb.DuckDBPyConnection | None = None
 
+    def __enter__(self) -> Inputs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def model(self):
         """(model, tokenizer, identity) of the model spec (load_model)."""
         if self._model is None:
-            if self.model_spec is None:
-                raise ValueError("this job needs a model (--model)")
-            self._model = load_model(self.model_spec)
+            self._model = load_model(_required(self.model_spec, "a model (--model)"))
         return self._model
 
     def corpus(self):
         """(documents, identity) of the corpus spec (load_corpus)."""
         if self._corpus is None:
-            if self.corpus_spec is None:
-                raise ValueError("this job needs a corpus (--corpus)")
-            self._corpus = load_corpus(self.corpus_spec)
+            self._corpus = load_corpus(_required(self.corpus_spec, "a corpus (--corpus)"))
         return self._corpus
 
     def identity(self) -> dict:
@@ -181,9 +181,7 @@ class Inputs:
         if self._model is not None:
             model = self._model[0]
         else:
-            if self.model_spec is None:
-                raise ValueError("this job needs a model (--model)")
-            model = PrismForCausalLM.from_pretrained(model_folder(self.model_spec))
+            model = PrismForCausalLM.from_pretrained(model_folder(_required(self.model_spec, "a model (--model)")))
         return model.prototypes.weight.detach().float().numpy()  # (K, d)
 
     def connection(self) -> duckdb.DuckDBPyConnection:
@@ -195,6 +193,12 @@ class Inputs:
         if self._con is not None:
             self._con.close()
             self._con = None
+
+
+def _required(spec: str | None, what: str) -> str:
+    if spec is None:
+        raise ValueError(f"this job needs {what}")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -219,3 +223,31 @@ class Job:
     run: Callable[[Context], Any]
     args_from: Callable[[argparse.Namespace], Any]
     all_ranks: bool = False
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --corpus, --db and --overwrite: the flags of every job that reads a model and a corpus."""
+    parser.add_argument("--model", required=True, help="a folder written by PrismForCausalLM.save_pretrained with its "
+                                                       "tokenizer beside it, or 'default'")
+    parser.add_argument("--corpus", required=True, help="a path, a hub dataset id (id[:config]) or 'default'")
+    parser.add_argument("--db", required=True, help="the DuckDB file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace results made with other arguments")
+
+
+def job_command(job: Job, parser: argparse.ArgumentParser, argv: list[str] | None) -> Any:
+    """A model-and-corpus job's own command line (python -m precompute.evidence, python -m precompute.attribution):
+    parse the flags, load the inputs (a bad flag, model or corpus ends the command with one line), join the process
+    group under torchrun when the job runs on every rank, run the job."""
+    ns = cli.parse(parser, argv)
+    with Inputs(ns.db, ns.model, ns.corpus) as inputs:
+        with cli.expected_errors(parser, ValueError, FileNotFoundError):
+            args = job.args_from(ns)
+            inputs.model()
+            inputs.corpus()
+        if job.all_ranks:
+            setup_distributed()
+        try:
+            return job.run(Context(inputs, args, ns.overwrite))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

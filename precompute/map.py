@@ -155,15 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
-    inputs = Inputs(args.db, model=args.model)
-    with cli.expected_errors(parser, JobArgsMismatch, ValueError, FileNotFoundError):
-        try:
-            written = JOB.run(Context(inputs, MapArgs(method=args.method, seed=args.seed), args.overwrite))
-            methods = inputs.connection().execute("SELECT DISTINCT method FROM prototype_map").fetchall()
-        finally:
-            inputs.close()
+    args = cli.parse(parser, argv)
+    with (cli.expected_errors(parser, JobArgsMismatch, ValueError, FileNotFoundError),
+          Inputs(args.db, model=args.model) as inputs):
+        written = JOB.run(Context(inputs, MapArgs(method=args.method, seed=args.seed), args.overwrite))
+        methods = inputs.connection().execute("SELECT DISTINCT method FROM prototype_map").fetchall()
     used = ", ".join(m for (m,) in methods) or "-"
     print(f"map: wrote {written} rows ({used})")  # noqa: T201 - the command's output
     return written

@@ -217,8 +217,7 @@ def preset_args(ns: argparse.Namespace) -> PresetArgs:
 
 def main(argv: list[str] | None = None) -> dict | list[dict]:
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    cli.setup_logging()
+    ns = cli.parse(parser, argv)
     with cli.expected_errors(parser, JobArgsMismatch, RuntimeError, ValueError, KeyError, FileNotFoundError,
                              duckdb.Error):
         if ns.show:
@@ -233,11 +232,8 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
         args = preset_args(ns)
         if not Path(ns.db).is_file():
             raise FileNotFoundError(f"no database at {ns.db}: run the evidence and labels jobs first")
-        inputs = Inputs(ns.db)
-        try:
+        with Inputs(ns.db) as inputs:
             counts = JOB.run(Context(inputs, args, ns.overwrite))
-        finally:
-            inputs.close()
     print("presets: " + ", ".join(f"{name} {n} prototypes" for name, n in counts.items()))  # noqa: T201
     return counts
 

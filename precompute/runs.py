@@ -16,12 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
+from tqdm.auto import tqdm
 
 from precompute.schema import JOB_TABLES, create_all
 
@@ -111,6 +113,47 @@ def write_chunk(con: duckdb.DuckDBPyConnection, job: str, write: Callable[[], No
             logger.info("%s: holding the chunk's transaction %.1f s (%s)", job, delay, SLEEP_ENV)
             time.sleep(delay)
         set_progress(con, job, "last_prototype_id", progress)
+
+
+def write_in_chunks(con: duckdb.DuckDBPyConnection, job: str, todo: list[int], batch_size: int,
+                    prepare: Callable[[list[int]], tuple[int, Callable[[], None]]]) -> int:
+    """Work through prototype ids in chunks of batch_size: prepare(chunk) computes the chunk's rows outside any
+    transaction and returns (how many, write); write() then runs with the chunk's progress in one transaction
+    (write_chunk). Returns the number of rows written."""
+    written = 0
+    with tqdm(total=len(todo), desc=job, unit="prototype") as bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            n_rows, write = prepare(chunk)
+            write_chunk(con, job, write, str(chunk[-1]))
+            written += n_rows
+            bar.update(len(chunk))
+            logger.info("%s: committed prototypes %d-%d (%d/%d)", job, chunk[0], chunk[-1], start + len(chunk),
+                        len(todo))
+    return written
+
+
+@contextlib.contextmanager
+def replacing_folder(folder: Path) -> Iterator[Path]:
+    """Write a new version of a checkpoint folder atomically: fill the empty folder this yields, and on leaving
+    the block it replaces `folder` (a kill at any point leaves the old version or the new one, never a mix; read
+    it back through saved_folder). An error inside the block leaves the old version in place."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def saved_folder(folder: Path) -> Path:
+    """The last complete version replacing_folder wrote: the .old copy when a kill came between its two renames."""
+    old = folder.with_name(folder.name + ".old")
+    return old if not folder.exists() and old.exists() else folder
 
 
 def job_run_id(con: duckdb.DuckDBPyConnection, job: str) -> str | None:

@@ -25,6 +25,18 @@ JOBS = tuple(JOB_TABLES)
 # pass over every training sequence plus a curvature fit; precompute/attribution/).
 DEFAULT_JOBS = tuple(job for job in JOBS if job != "attribution")
 
+# The columns of both document tables (documents, attribution_documents): one row per corpus document.
+DOCUMENT_COLUMNS = """
+            doc_id VARCHAR PRIMARY KEY,
+            source VARCHAR NOT NULL,          -- wiki | news | kjv | fineweb | local | ...
+            url VARCHAR,
+            title VARCHAR,
+            text VARCHAR,                     -- NULL in a pointer-only database
+            sha256 VARCHAR NOT NULL,
+            n_chars INTEGER NOT NULL,
+            n_tokens INTEGER NOT NULL
+        """
+
 DDL = {
     # One row per job run: its arguments, so a re-run with other arguments is refused unless --overwrite.
     "runs": """
@@ -52,17 +64,7 @@ DDL = {
         )""",
     # Documents the evidence points into. text is NULL in pointer-only mode (shipped databases): it is read
     # from the installed corpus package at run time and checked against sha256.
-    "documents": """
-        CREATE TABLE IF NOT EXISTS documents (
-            doc_id VARCHAR PRIMARY KEY,
-            source VARCHAR NOT NULL,          -- wiki | news | kjv | fineweb | local | ...
-            url VARCHAR,
-            title VARCHAR,
-            text VARCHAR,
-            sha256 VARCHAR NOT NULL,
-            n_chars INTEGER NOT NULL,
-            n_tokens INTEGER NOT NULL
-        )""",
+    "documents": f"CREATE TABLE IF NOT EXISTS documents ({DOCUMENT_COLUMNS})",
     # Top-N activating token positions per prototype. The model's input sequence was the document's tokens
     # [seq_token_start, seq_token_end); token_position indexes the document's tokens.
     "evidence": """
@@ -167,17 +169,7 @@ DDL = {
         )""",
     # Training-data attribution (precompute/attribution/, prism/attribution.py). The documents the training
     # sequences come from; text NULL in pointer-only databases, as in documents.
-    "attribution_documents": """
-        CREATE TABLE IF NOT EXISTS attribution_documents (
-            doc_id VARCHAR PRIMARY KEY,
-            source VARCHAR NOT NULL,
-            url VARCHAR,
-            title VARCHAR,
-            text VARCHAR,
-            sha256 VARCHAR NOT NULL,
-            n_chars INTEGER NOT NULL,
-            n_tokens INTEGER NOT NULL
-        )""",
+    "attribution_documents": f"CREATE TABLE IF NOT EXISTS attribution_documents ({DOCUMENT_COLUMNS})",
     # One row per training sequence: an evidence-job window, the document's tokens [seq_token_start,
     # seq_token_end) and characters [char_start, char_end).
     "attribution_sequences": """

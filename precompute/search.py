@@ -28,7 +28,6 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_MODEL, embed
 from precompute.inputs import Context, Inputs, Job
@@ -41,7 +40,7 @@ from precompute.runs import (
     job_run_id,
     remaining_prototypes,
     start_job,
-    write_chunk,
+    write_in_chunks,
 )
 from prism import cli
 
@@ -80,38 +79,33 @@ def run(con: duckdb.DuckDBPyConnection, overwrite: bool = False, batch_size: int
         return 0
     todo = remaining_prototypes(con, NAME)
     logger.info("search: %s run, %d prototypes to embed", state, len(todo))
-    written = 0
-    with tqdm(total=len(todo), desc="search", unit="prototype") as bar:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start:start + batch_size]
-            labels = {pid: label_text(category, label) for pid, category, label in con.execute(
-                "SELECT prototype_id, category, label FROM labels WHERE prototype_id BETWEEN ? AND ? "
-                "ORDER BY prototype_id", [chunk[0], chunk[-1]]).fetchall()}
-            rows: list[tuple[str, int, int, str]] = []  # (kind, prototype_id, item, text)
-            for card in load_cards(con, chunk):
-                if card.prototype_id in labels:
-                    rows.append(("label", card.prototype_id, 0, labels[card.prototype_id]))
-                rows += [("evidence", card.prototype_id, e.rank, e.window()) for e in card.evidence]
-            table = None
-            if rows:
-                kinds, ids, items, texts = (list(column) for column in zip(*rows, strict=True))
-                table = _arrow_rows(kinds, ids, items, embed(texts))
 
-            def write(table=table, chunk=chunk) -> None:
-                con.execute("DELETE FROM embeddings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
-                if table is not None:
-                    con.register(_CHUNK_VIEW, table)
-                    try:
-                        con.execute(f"INSERT INTO embeddings SELECT kind, prototype_id, item, vector "
-                                    f"FROM {_CHUNK_VIEW}")
-                    finally:
-                        con.unregister(_CHUNK_VIEW)
+    def prepare(chunk: list[int]):
+        labels = {pid: label_text(category, label) for pid, category, label in con.execute(
+            "SELECT prototype_id, category, label FROM labels WHERE prototype_id BETWEEN ? AND ? "
+            "ORDER BY prototype_id", [chunk[0], chunk[-1]]).fetchall()}
+        rows: list[tuple[str, int, int, str]] = []  # (kind, prototype_id, item, text)
+        for card in load_cards(con, chunk):
+            if card.prototype_id in labels:
+                rows.append(("label", card.prototype_id, 0, labels[card.prototype_id]))
+            rows += [("evidence", card.prototype_id, e.rank, e.window()) for e in card.evidence]
+        table = None
+        if rows:
+            kinds, ids, items, texts = (list(column) for column in zip(*rows, strict=True))
+            table = _arrow_rows(kinds, ids, items, embed(texts))
 
-            write_chunk(con, NAME, write, str(chunk[-1]))
-            written += len(rows)
-            bar.update(len(chunk))
-            logger.info("search: committed prototypes %d-%d (%d/%d)", chunk[0], chunk[-1], start + len(chunk),
-                        len(todo))
+        def write() -> None:
+            con.execute("DELETE FROM embeddings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+            if table is not None:
+                con.register(_CHUNK_VIEW, table)
+                try:
+                    con.execute(f"INSERT INTO embeddings SELECT kind, prototype_id, item, vector FROM {_CHUNK_VIEW}")
+                finally:
+                    con.unregister(_CHUNK_VIEW)
+
+        return len(rows), write
+
+    written = write_in_chunks(con, NAME, todo, batch_size, prepare)
     finish_job(con, NAME)
     return written
 
@@ -190,8 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int | list[dict]:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     with cli.expected_errors(parser, JobArgsMismatch, RuntimeError, ValueError, FileNotFoundError, duckdb.Error):
         if args.query is not None or args.label is not None:
             con = connect(args.db, read_only=True)
@@ -208,11 +201,8 @@ def main(argv: list[str] | None = None) -> int | list[dict]:
             return results
         if not Path(args.db).is_file():
             raise FileNotFoundError(f"no database at {args.db}: run the evidence and labels jobs first")
-        inputs = Inputs(args.db)
-        try:
+        with Inputs(args.db) as inputs:
             written = JOB.run(Context(inputs, SearchArgs(batch_size=args.batch_size), args.overwrite))
-        finally:
-            inputs.close()
     print(f"search: wrote {written} embeddings")  # noqa: T201 - the command's output
     return written
 

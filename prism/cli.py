@@ -11,8 +11,7 @@ made with other arguments) turned into one line on stderr and exit code 2 instea
 
     def main(argv=None):
         parser = build_parser()
-        args = parser.parse_args(argv)
-        cli.setup_logging()
+        args = cli.parse(parser, argv)   # the flags, and logging set up
         with cli.expected_errors(parser, ValueError, FileNotFoundError):
             result = run(args)
         cli.print_json(result)       # a command whose output is JSON
@@ -48,6 +47,13 @@ def parser(prog: str, doc: str | None, formatter: str = "defaults", epilog: str 
 def subparser(commands, name: str, help: str, formatter: str = "defaults") -> argparse.ArgumentParser:
     """A sub-command (commands = parser.add_subparsers(...)) with the same help layout as the parser."""
     return commands.add_parser(name, help=help, formatter_class=FORMATTERS[formatter])
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The first two steps of every command: parse argv (None: the process's own) and set up logging."""
+    args = parser.parse_args(argv)
+    setup_logging()
+    return args
 
 
 def setup_logging(level: int = logging.INFO) -> None:

@@ -167,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     with cli.expected_errors(parser, ValueError, FileNotFoundError):
         results = run(args)
     print(format_table(results))  # noqa: T201 - the command's output

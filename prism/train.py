@@ -655,8 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     with cli.expected_errors(parser, ValueError):
         train_args = TrainArgs(**vars(args))
     logger.info("arguments: %s", json.dumps(asdict(train_args)))

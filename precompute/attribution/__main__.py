@@ -8,36 +8,21 @@ from __future__ import annotations
 
 import argparse
 
-from precompute.attribution.job import JOB, add_arguments, attribution_args
-from precompute.inputs import Context, Inputs
+from precompute.attribution.job import JOB, add_arguments
+from precompute.inputs import add_input_arguments, job_command
 from prism import cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("python -m precompute.attribution", "The attribution job: cache per-training-sequence "
                         "statistics so a token's training data is a sparse product.")
-    parser.add_argument("--model", required=True, help="a folder written by PrismForCausalLM.save_pretrained with its "
-                                                       "tokenizer beside it, or 'default'")
-    parser.add_argument("--corpus", required=True, help="a path, a hub dataset id (id[:config]) or 'default'")
-    parser.add_argument("--db", required=True, help="the DuckDB file to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace results made with other arguments")
+    add_input_arguments(parser)
     add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    cli.setup_logging()
-    inputs = Inputs(ns.db, ns.model, ns.corpus)
-    with cli.expected_errors(parser, ValueError, FileNotFoundError):
-        args = attribution_args(ns)
-        inputs.model()
-        inputs.corpus()
-    try:
-        return JOB.run(Context(inputs, args, ns.overwrite))
-    finally:
-        inputs.close()
+    return job_command(JOB, build_parser(), argv)
 
 
 if __name__ == "__main__":

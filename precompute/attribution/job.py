@@ -22,7 +22,16 @@ from tqdm.auto import tqdm
 
 from precompute.attribution.cache import NAME, index_parts, load_factors
 from precompute.inputs import Context, Job, Window, document_windows
-from precompute.runs import connect, finish_job, get_progress, set_progress, start_job, transaction
+from precompute.runs import (
+    connect,
+    finish_job,
+    get_progress,
+    replacing_folder,
+    saved_folder,
+    set_progress,
+    start_job,
+    transaction,
+)
 from prism import PrismForCausalLM
 from prism.attribution import (
     BlockWhitening,
@@ -129,25 +138,17 @@ class FitState:
         return self.curvature.n_tokens
 
     def save(self, folder: Path) -> None:
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        np.savez(tmp / "arrays.npz", **self.curvature.state(),
-                 **{f"seq_{k}": np.asarray(v) for k, v in self.sequences.items()})
-        (tmp / "state.json").write_text(json.dumps({"docs_seen": self.docs_seen, "docs_bytes": self.docs_bytes,
-                                                     "chunks": self.chunks, "complete": self.complete}))
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
+        """Atomic: write a new folder, then swap it in (runs.replacing_folder)."""
+        with replacing_folder(folder) as tmp:
+            np.savez(tmp / "arrays.npz", **self.curvature.state(),
+                     **{f"seq_{k}": np.asarray(v) for k, v in self.sequences.items()})
+            (tmp / "state.json").write_text(json.dumps({"docs_seen": self.docs_seen, "docs_bytes": self.docs_bytes,
+                                                         "chunks": self.chunks, "complete": self.complete}))
 
     @classmethod
     def load(cls, folder: Path, model: PrismForCausalLM) -> FitState:
         state = cls(model)
-        if not folder.exists() and folder.with_name(folder.name + ".old").exists():
-            folder = folder.with_name(folder.name + ".old")  # killed between the two renames
+        folder = saved_folder(folder)
         if not folder.exists():
             return state
         with np.load(folder / "arrays.npz") as arrays:

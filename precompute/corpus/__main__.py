@@ -70,11 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("out", help="the .jsonl file to write")
     export.add_argument("--limit", type=int, default=None, help="write only the first N documents")
 
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if args.command == "stats":
         args.tokenizer_given = args.tokenizer is not None
         args.tokenizer = args.tokenizer or "smollm2"
-    cli.setup_logging()
     with cli.expected_errors(parser, FileNotFoundError, ModuleNotFoundError, KeyError, ValueError):
         return _run_cli(args)
     return 2

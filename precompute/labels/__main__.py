@@ -43,21 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    cli.setup_logging()
+    args = cli.parse(parser, argv)
     with cli.expected_errors(parser, ValueError):  # the flags first: their errors need no database
         job_args = LabelsArgs(labeler=args.labeler, endpoint=args.endpoint, llm_model=args.llm_model,
                               api_key_env=args.api_key_env, timeout=args.timeout, seed=args.seed,
                               n_negatives=args.n_negatives, batch_size=args.batch_size)
     if not Path(args.db).is_file():
         cli.fail(parser, f"no database at {args.db}: run the evidence job first (python -m precompute build)")
-    inputs = Inputs(args.db)
-    with cli.expected_errors(parser, JobArgsMismatch, LabelerError, RuntimeError, ValueError, FileNotFoundError):
-        try:
-            written = JOB.run(Context(inputs, job_args, args.overwrite))
-            mix = category_mix(inputs.connection())
-        finally:
-            inputs.close()
+    errors = (JobArgsMismatch, LabelerError, RuntimeError, ValueError, FileNotFoundError)
+    with cli.expected_errors(parser, *errors), Inputs(args.db) as inputs:
+        written = JOB.run(Context(inputs, job_args, args.overwrite))
+        mix = category_mix(inputs.connection())
     total = sum(n for _, n, _, _ in mix)
     print(f"labels: wrote {written} rows; {total} prototypes labelled")  # noqa: T201 - the command's output
     for category, n, score, sibling in mix:

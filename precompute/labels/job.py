@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 import duckdb
-from tqdm.auto import tqdm
 
 from precompute.embed import EMBED_MODEL
 from precompute.inputs import Context, Job
@@ -28,7 +27,7 @@ from precompute.labels.labeler import Labeler, LabelResult
 from precompute.labels.llm import LocalInstructLabeler, OpenAICompatibleLabeler
 from precompute.labels.offline import OfflineLabeler
 from precompute.labels.scoring import N_NEGATIVES, NegativePool, negative_pool, score_labels
-from precompute.runs import finish_job, job_done, job_run_id, remaining_prototypes, start_job, write_chunk
+from precompute.runs import finish_job, job_done, job_run_id, remaining_prototypes, start_job, write_in_chunks
 from precompute.schema import CATEGORIES
 
 logger = logging.getLogger("precompute.labels")
@@ -90,26 +89,22 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
     context = contrast.build_context(con, pool, seed)
     if hasattr(labeler, "prepare_contrast"):
         labeler.prepare_contrast(context)
-    written = 0
     insert = f"INSERT INTO labels ({', '.join(LABEL_COLUMNS)}) VALUES ({', '.join('?' * len(LABEL_COLUMNS))})"
-    with tqdm(total=len(todo), desc="labels", unit="prototype") as bar:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start:start + batch_size]
-            rows = label_prototypes(load_cards(con, chunk), labeler, pool, context)
-            siblings = [row for pid in chunk for row in contrast.separations(context, pid)]
 
-            def write(rows=rows, siblings=siblings, chunk=chunk) -> None:
-                con.execute("DELETE FROM labels WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
-                con.execute("DELETE FROM label_siblings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
-                con.executemany(insert, rows)
-                if siblings:
-                    con.executemany("INSERT INTO label_siblings VALUES (?, ?, ?, ?, ?)", siblings)
+    def prepare(chunk: list[int]):
+        rows = label_prototypes(load_cards(con, chunk), labeler, pool, context)
+        siblings = [row for pid in chunk for row in contrast.separations(context, pid)]
 
-            write_chunk(con, NAME, write, str(chunk[-1]))
-            written += len(rows)
-            bar.update(len(chunk))
-            logger.info("labels: committed prototypes %d-%d (%d/%d)", chunk[0], chunk[-1], start + len(chunk),
-                        len(todo))
+        def write() -> None:
+            con.execute("DELETE FROM labels WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+            con.execute("DELETE FROM label_siblings WHERE prototype_id BETWEEN ? AND ?", [chunk[0], chunk[-1]])
+            con.executemany(insert, rows)
+            if siblings:
+                con.executemany("INSERT INTO label_siblings VALUES (?, ?, ?, ?, ?)", siblings)
+
+        return len(rows), write
+
+    written = write_in_chunks(con, NAME, todo, batch_size, prepare)
     finish_job(con, NAME)
     return written
 
