@@ -1,657 +1,22 @@
-"""The Gradio app: plain handler functions first, then one `with gr.Blocks()` layout (build_demo).
+"""The Gradio page: one `with gr.Blocks()` layout (build_demo) wiring the handlers of app/handlers.py, and launch.
 
-Every handler takes the shared, read-only Studio first (bound with functools.partial) and the user's Session (a
-gr.State value) where it needs one, and returns a new Session instead of changing a shared value. Every event
-has an api_name, so each UI action is also an HTTP endpoint `gradio_client` can call:
-
-    generate, decompose, prototype, search, suppress, scale, suppress_category, suppress_search, preset,
-    suppress_mode, remove_intervention, clear_interventions, interventions, map, attribute, controller,
-    link, export_generation, export_interventions, import_interventions, export_table, export_evidence
-
-Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
-the app keeps running.
+    python app.py            # serves it; see python app.py --help
 """
 
 from __future__ import annotations
 
 import html
-import json
-import logging
-from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import gradio as gr
 
 from app import controllers as app_controllers
-from app import export, plots, share
+from app import handlers as h
+from app import plots
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
-from app.core import (
-    NEVER_ACTIVE,
-    NO_PROTOTYPE,
-    AppError,
-    Generation,
-    GenerationSettings,
-    Studio,
-    TokenView,
-    rerouted_summary,
-    side_by_side,
-)
-from app.session import SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
-
-logger = logging.getLogger(__name__)
-
-RUNS = ("original", "intervened")
-CHANGED = "changed by intervention"
-NEWLINE = "⏎"  # how a line break shows inside a token chip: every token stays one clickable chip
-# "relevance": a semantic search by similarity, a label search exact matches first; without a search, activations
-ORDERINGS = {"relevance": None, "activation count": "activation_count", "label score": "label_score",
-             "prototype id": "prototype_id"}
-TABLE_HEADERS = ["id", "label", "category", "label score", "sibling score", "tokens", "similarity"]
-TABLE_WIDTHS = ["44px", "200px", "110px", "82px", "82px", "70px", "110px"]  # every number on screen at 1280 px
-SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the label at least this (MiniLM)
-ACTIVE_HEADERS = ["id", "label", "category", "activation", "contribution"]
-INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
-CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
-
-
-def _ok(message: str) -> str:
-    return message
-
-
-def _problem(err: Exception) -> str:
-    return f"⚠️ {err}"
-
-
-def _highlights(studio: Studio, gen: Generation | None, diff_status: list[str] | None = None) -> list:
-    """HighlightedText value: each generated token with its top prototype's category (or 'changed')."""
-    if gen is None:
-        return []
-    out = []
-    for i, step in enumerate(gen.steps):
-        label = studio.top_category(step)
-        if diff_status is not None and diff_status[i] in ("first change", "changed"):
-            label = CHANGED
-        out.append((step.text.replace("\r\n", NEWLINE).replace("\n", NEWLINE), label))
-    return out
-
-
-def _generation_json(gen: Generation | None) -> dict | None:
-    if gen is None:
-        return None
-    return {"prompt": gen.prompt_text, "text": gen.text, "notes": gen.notes,
-            "interventions": {"suppress": sorted(gen.interventions.suppress),
-                              "suppress_mode": gen.interventions.suppress_mode,
-                              "scale": {str(p): f for p, f in gen.interventions.scale.items()},
-                              "controller": None if gen.interventions.controller is None else
-                              app_controllers.name(gen.interventions.controller)},
-            "tokens": [{"index": i, "token_id": s.token_id, "text": s.text, "logit": s.logit,
-                        "prototype_ids": s.prototype_ids, "activations": s.activations,
-                        "rerouted_ids": s.rerouted_ids}
-                       for i, s in enumerate(gen.steps)]}
-
-
-def _interventions_table(session: Session) -> list[list]:
-    return session.rows()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Handlers: generation and tokens.
-
-
-class RunControl:
-    """One browser session's Stop button (a mutable value in its own gr.State, never shared between sessions): Stop
-    asks the running generation to end after its current token, and the generation itself writes the last
-    update. Cancelling the event instead lets updates already on their way land after the 'stopped' message."""
-
-    def __init__(self) -> None:
-        self.run = 0
-        self.stop_run = -1
-
-    def start(self) -> int:
-        self.run += 1
-        return self.run
-
-    def stop(self) -> None:
-        self.stop_run = self.run
-
-    def stopped(self, run: int) -> bool:
-        return self.stop_run == run
-
-
-def _settings(prompt, max_new_tokens, temperature, top_p, seed) -> GenerationSettings:
-    """The page's controls as settings (empty controls read as the defaults' zero values)."""
-    return GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
-                              temperature=float(temperature or 0), top_p=float(top_p or 1.0), seed=int(seed or 0))
-
-
-def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
-             session: Session, control: RunControl | None = None):
-    """Stream the original continuation and, when the session has interventions, the intervened one beside it
-    (same settings and seed). Yields (original, intervened, status, intervened column title, session, result): the
-    session already holds the growing texts, so a token can be explained while the rest is written; after
-    control.stop() the run ends after the current token and keeps what it wrote."""
-    run = control.start() if control is not None else None
-    stopped = False
-    try:
-        settings = _settings(prompt, max_new_tokens, temperature, top_p, seed)
-        interventions = session.interventions()
-        reuse = session.original is not None and session.original.finished and \
-            session.original.settings == settings
-        streams = []
-        if not reuse:
-            streams.append(("original", studio.stream(settings)))
-        if not interventions.is_empty:
-            streams.append(("intervened", studio.stream(settings, interventions)))
-        current = {"original": session.original if reuse else None, "intervened": None}
-        column = _intervened_column(session if not interventions.is_empty else None)
-        active = list(streams)
-        while active:
-            if control is not None and control.stopped(run):
-                stopped = True
-                break
-            for name, stream in list(active):
-                gen = next(stream, None)
-                if gen is None:
-                    active.remove((name, stream))
-                    continue
-                current[name] = gen
-            status = _generation_status(studio, current)
-            session = replace(session, original=current["original"], intervened=current["intervened"],
-                              selected=None)
-            yield (_highlights(studio, current["original"]), _highlights(studio, current["intervened"]), status,
-                   column, session, None)
-    except AppError as err:
-        yield [], [], _problem(err), INTERVENED_TITLE, session, None
-        return
-    original, intervened = current["original"], current["intervened"]
-    if original is None and not stopped:  # nothing streamed: the stored original is reused, no interventions
-        original = session.original
-    diff = side_by_side(original, intervened) if original is not None and intervened is not None else None
-    session = replace(session, original=original, intervened=intervened, selected=None)
-    yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True,
-                              stopped=stopped), column, session, _result(original, intervened, diff))
-
-
-def _result(original: Generation | None, intervened: Generation | None, diff=None) -> dict:
-    """What /generate returns as data: both texts with their tokens and the per-token comparison."""
-    return {"original": _generation_json(original), "intervened": _generation_json(intervened),
-            "first_change": diff.first_change if diff else None, "status": diff.status if diff else None}
-
-
-INTERVENED_TITLE = "**With your interventions** (same seed; add some on the right)"
-
-
-def _intervened_column(session: Session | None) -> str:
-    """The right column's title names what the intervened text applies."""
-    applied = session.applied() if session is not None else ""
-    return f"**With: {html.escape(applied)}** (same seed)" if applied else INTERVENED_TITLE
-
-
-def request_stop(control: RunControl) -> None:
-    """Stop: the running generation of this session ends after its current token (it writes the last update)."""
-    control.stop()
-
-
-def _generation_status(studio: Studio, current: dict, diff=None, done: bool = False, stopped: bool = False) -> str:
-    parts = []
-    gen = current["original"] or current["intervened"]
-    if stopped and gen is None:
-        return "⏹ Stopped before the first token."
-    if gen is not None:
-        parts += [f"ℹ️ {note}" for note in gen.notes]
-        counts = " and ".join(f"{len(g.steps)} {name}" for name, g in current.items() if g is not None)
-        if stopped:
-            parts.append(f"⏹ Stopped after {counts} token(s); what was written stays and can be explained.")
-        else:
-            parts.append(f"Generated {counts} token(s)." if done else f"Generating… {counts} token(s) so far.")
-    if current["intervened"] is None:
-        parts.append("Click a token to see why the model wrote it. Suppress or scale prototypes on the right, then "
-                     "generate again to compare.")
-    elif diff is not None:
-        if diff.first_change is None:
-            parts.append("The interventions did not change this continuation.")
-        else:
-            n = sum(s in ("first change", "changed") for s in diff.status)
-            parts.append(f"The interventions changed {n} token(s), first at token {diff.first_change}. Click a "
-                         f"highlighted token on the right to see which prototypes changed it.")
-        brought_in = rerouted_summary(current["intervened"])
-        if brought_in:
-            parts.append("Re-routed: the suppressed prototypes' slots went to " + ", ".join(
-                f"#{pid} {html.escape(studio.label(pid)[0] or '(no label)')} ({n} token(s))"
-                for pid, n in brought_in) + ".")
-    return "  \n".join(parts)
-
-
-def select_original(evt: gr.SelectData):
-    """A click on a token of the original text -> (run, index) for decompose."""
-    return "original", int(evt.index)
-
-
-def select_intervened(evt: gr.SelectData):
-    """A click on a token of the intervened text -> (run, index) for decompose."""
-    return "intervened", int(evt.index)
-
-
-def decompose(studio: Studio, run: str, index: float, session: Session):
-    """The decomposition of one generated token: waterfall, alternatives, summary, active prototypes, the top
-    prototype's id (to open its card), session and the data as JSON."""
-    try:
-        if run not in RUNS:
-            raise AppError(f"run must be 'original' or 'intervened', got {run!r}")
-        gen = session.original if run == "original" else session.intervened
-        if gen is None:
-            raise AppError("generate first" if run == "original" else
-                           "there is no intervened text: add an intervention and generate again")
-        view = studio.token_view(gen, int(index))
-        why = None
-        if run == "intervened" and session.original is not None:
-            why = studio.why_changed(session.original, gen, view.index)
-    except AppError as err:
-        empty = plots.empty_figure(str(err))
-        return empty, empty, _problem(err), [], None, session, None
-    session = replace(session, selected=(run, view.index))
-    rows = [[s.prototype_id, s.label, s.category, round(s.activation, 4), round(s.contribution, 4)]
-            for s in view.chosen.slices]
-    top = view.chosen.slices[0].prototype_id if view.chosen.slices else None
-    data = view.as_dict()
-    data["why_changed"] = why.as_dict() if why else None
-    return (plots.decomposition_figure(view.chosen), plots.alternatives_figure(view), _token_summary(view, why),
-            rows, top, session, data)
-
-
-def clear_explanation():
-    """A new generation empties the explanation panel: it described a token of the previous text. Returns the
-    panel's outputs (plots, summary, rows, data, training-data panel and its data) and the status line. It runs
-    outside the queue, before the generation starts, so the old explanation is gone at once."""
-    empty = plots.empty_figure("click a token of the new text")
-    return (empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION, None,
-            "Generating…")
-
-
-def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session):
-    """The training-data panel follows the explained token; with no token explained it is empty."""
-    if not token:
-        return EMPTY_ATTRIBUTION, None
-    return attribution_panel(studio, run, index, session)
-
-
-def _token_summary(view: TokenView, why) -> str:
-    d = view.chosen
-    lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
-             f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}** "
-             f"(while generating: {view.stream_logit:.4f})."]
-    others = [a for a in view.alternatives if a.token_id != d.token_id]
-    if others:
-        best = max(view.alternatives, key=lambda a: a.logit)
-        if best.token_id == d.token_id:
-            lines.append(f"Chosen: the highest logit; next best {html.escape(repr(others[0].token))} at "
-                         f"{others[0].logit:.4f}.")
-        else:
-            lines.append(f"Chosen (sampled): {html.escape(repr(d.token))} at {d.logit:.4f}; highest logit "
-                         f"{html.escape(repr(best.token))} at {best.logit:.4f}.")
-    if d.rerouted_ids:
-        lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
-                     f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")
-    elif d.removed_ids:
-        lines.append(f"Switched off here: {', '.join(f'#{p}' for p in d.removed_ids)} (their slices are removed).")
-    if why is not None:
-        lines.append(f"**Why it changed:** {html.escape(why.message)}.")
-        if why.effects:
-            lines.append("Effect of each prototype whose activation changed on logit(new) − logit(reference) "
-                         "(↪ = brought in by re-routing): " + ", ".join(
-                             f"{'↪' if e['role'] == 'replacement' else ''}#{e['prototype_id']} "
-                             f"{html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
-    return "  \n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Handlers: prototype cards, search, the map.
-
-
-def prototype(studio: Studio, prototype_id: float | str | None):
-    """A prototype's card: (markdown, signature plot, histogram plot, evidence html, card json)."""
-    try:
-        if prototype_id is None or str(prototype_id).strip() == "":
-            empty = plots.empty_figure("no prototype selected")
-            return "Pick a prototype: click a token, a table row or a point on the map.", empty, empty, "", None
-        card = studio.card(prototype_id)
-    except AppError as err:
-        empty = plots.empty_figure("no card")
-        return _problem(err), empty, empty, "", None
-    md = (f"### #{card['prototype_id']} {html.escape(card['label'] or '(no label)')}\n"
-          f"**{html.escape(card['category'] or 'unlabelled')}** · label score {_shown_score(card['label_score'])}"
-          f" · sibling score {_shown_score(card.get('sibling_score'))} · active on "
-          f"{card['activation_count'] or 0} corpus tokens, mean activation {card['mean_activation'] or 0:.3f}, "
-          f"max {card['max_activation'] or 0:.3f}  \n"
-          f"<small>Both scores are held out (the label was written from other evidence of this prototype) and read "
-          f"like an AUROC: 0.5 = the label says nothing, 1 = it singles the prototype out. Label score: against "
-          f"random other prototypes' contexts; sibling score: against its siblings' only, the prototypes that fire "
-          f"on the same tokens.</small>")
-    if card.get("siblings"):
-        md += "\n\n**Siblings** (same tokens; what separates them):\n" + "\n".join(
-            f"- #{s['prototype_id']} {html.escape(s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
-            f"{', sibling score ' + _shown_score(s['sibling_score']) if s.get('sibling_score') is not None else ''})"
-            + (f": {html.escape(s['separation'])}" if s.get("separation") else "")
-            for s in card["siblings"][:6])
-    if card["coactive"]:
-        md += "\n\nOften active with: " + ", ".join(
-            f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card["coactive"][:5])
-    evidence = "".join(_evidence_html(e) for e in card["evidence"]) or "<p>No evidence rows for this prototype.</p>"
-    data = {k: v for k, v in card.items() if k not in ("evidence",)}
-    data["evidence"] = [{k: e[k] for k in ("rank", "doc_id", "activation", "token", "url", "title", "source")}
-                        for e in card["evidence"]]
-    return md, plots.signature_figure(card), plots.histogram_figure(card), evidence, json.loads(
-        json.dumps(data, default=float))
-
-
-def _shown_score(x) -> str:
-    return "n/a" if x is None else f"{float(x):.3f}"
-
-
-def _evidence_html(row: dict) -> str:
-    source = html.escape(row.get("title") or row.get("doc_id") or "")
-    if row.get("url"):
-        url = html.escape(row["url"], quote=True)
-        if url.startswith(("http://", "https://")):
-            source = f'<a href="{url}" target="_blank" rel="noopener noreferrer">{source or url}</a>'
-    return (f'<div class="prism-evidence"><div class="prism-evidence-text">…{row["html"]}…</div>'
-            f'<div class="prism-evidence-source">activation {row["activation"]:.3f} · {source} '
-            f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')
-
-
-def _score(x) -> float | None:
-    return None if x is None else round(float(x), 3)
-
-
-def search(studio: Studio, text: str, mode: str, category: str, order: str):
-    """The browser table: all prototypes (empty search) or label / semantic search results, filtered by
-    category and sorted (relevance by default). A semantic match is a label with cosine similarity >= SEMANTIC_MIN;
-    the count is the number of matches. Returns (rows, status)."""
-    try:
-        category = None if category in (None, "", "all") else category
-        if order not in ORDERINGS:
-            raise AppError(f"sort by one of {', '.join(ORDERINGS)}, got {order!r}")
-        listed = studio.table(category, "prototype_id")
-        if not (text or "").strip():
-            rows = [{**r, "similarity": None} for r in listed]
-            found = f"{len(rows)} prototype(s)" + (f" in {category}" if category else "")
-        else:
-            kind = "semantic" if mode == "semantic" else "label"
-            results = studio.search(text, kind, k=studio.n_prototypes)
-            if kind == "semantic":
-                results = [r for r in results if r["score"] >= SEMANTIC_MIN]
-            by_id = {r["prototype_id"]: r for r in listed}
-            rows = [{**by_id[r["prototype_id"]], "similarity": r["score"] if kind == "semantic" else None}
-                    for r in results if r["prototype_id"] in by_id]  # search order = relevance
-            what = f"with label similarity >= {SEMANTIC_MIN:.2f} to" if kind == "semantic" else "whose label contains"
-            found = f"{len(rows)} prototype(s) {what} {text.strip()[:80]!r}" + (f" in {category}" if category else "")
-        key = ORDERINGS[order]
-        if key is None and not (text or "").strip():
-            key = "activation_count"
-        if key == "prototype_id":
-            rows.sort(key=lambda r: r["prototype_id"])
-        elif key is not None:
-            rows.sort(key=lambda r: (r.get(key) is None, -(r.get(key) or 0), r["prototype_id"]))
-        out = [[r["prototype_id"], r["label"], r["category"], _score(r.get("label_score")),
-                _score(r.get("sibling_score")), r.get("activation_count"), _score(r["similarity"])] for r in rows]
-        return out, f"{found}, sorted by {order}"
-    except AppError as err:
-        return [], _problem(err)
-
-
-def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = None, category: str | None = None):
-    """The map: the search results in the table ringed (when there is a search), the open card's prototype
-    starred, other categories greyed out when the filter names one."""
-    try:
-        highlight = set()
-        if (text or "").strip() and table is not None:
-            ids = table.iloc[:, 0].tolist() if hasattr(table, "iloc") else [r[0] for r in table or []]
-            highlight = {int(i) for i in ids if str(i).strip().lstrip("-").isdigit()}
-        selected = int(card["prototype_id"]) if isinstance(card, dict) and "prototype_id" in card else None
-        category = None if category in (None, "", "all") else category
-        return plots.map_figure(studio.map_points(), highlight, selected, category)
-    except AppError as err:
-        return plots.empty_figure(str(err))
-
-
-def deep_link(request: gr.Request):
-    """?prototype=ID opens that prototype's card and the browser tab."""
-    raw = request.query_params.get("prototype") if request is not None else None
-    try:
-        pid = int(raw) if raw is not None else None
-    except ValueError:
-        pid = None
-    # without a link leave the tabs alone: the user may already have switched tab when this arrives
-    return pid, (gr.Tabs(selected="browse") if pid is not None else gr.update())
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Handlers: interventions (each returns session, the list, status).
-
-
-def _intervened(session: Session, make) -> tuple:
-    try:
-        session = session.add(make())
-    except (AppError, ValueError) as err:
-        return session, _interventions_table(session), _problem(err)
-    return session, _interventions_table(session), _ok(f"added: {session.items[-1].describe()}. Generate again to "
-                                                          "compare.")
-
-
-def suppress(studio: Studio, prototype_id, session: Session):
-    return _intervened(session, lambda: suppress_item(studio.check_prototype(prototype_id),
-                                                      studio.label(studio.check_prototype(prototype_id))[0]))
-
-
-def scale(studio: Studio, prototype_id, factor: float, session: Session):
-    def make():
-        pid = studio.check_prototype(prototype_id)
-        return scale_item(pid, float(factor), studio.label(pid)[0])
-
-    return _intervened(session, make)
-
-
-def suppress_category(studio: Studio, category: str, session: Session):
-    return _intervened(session, lambda: group_item("category", str(category), studio.category_ids(str(category))))
-
-
-def suppress_search(studio: Studio, text: str, mode: str, session: Session):
-    def make():
-        kind = "semantic" if mode == "semantic" else "label"
-        ids = [r["prototype_id"] for r in studio.search(text, kind, k=10 if kind == "semantic" else 10_000)]
-        return group_item("search", f"{kind} {text.strip()[:60]!r}", ids)
-
-    return _intervened(session, make)
-
-
-def apply_preset(studio: Studio, name: str, session: Session):
-    def make():
-        title, ids = studio.preset_ids(name)
-        return group_item("preset", title, ids)
-
-    return _intervened(session, make)
-
-
-def suppress_mode(mode: str, session: Session):
-    """How this session's suppressions act: 'reroute' (the nearest other prototypes take the slots) or 'zero'
-    (the slices are removed). Returns (session, the list, status)."""
-    try:
-        session = session.with_suppress_mode(mode)
-    except ValueError as err:
-        return session, _interventions_table(session), _problem(err)
-    return session, _interventions_table(session), _ok(
-        f"suppressions now {SUPPRESS_MODE_NAMES[session.suppress_mode]}. Generate again to compare.")
-
-
-def remove_intervention(index, session: Session):
-    try:
-        session = session.remove(int(index))
-    except (TypeError, ValueError) as err:
-        return session, _interventions_table(session), _problem(err)
-    return session, _interventions_table(session), _ok("removed")
-
-
-def clear_interventions(session: Session):
-    return session.clear(), [], _ok("all interventions removed")
-
-
-def list_interventions(session: Session):
-    return _interventions_table(session), session.interventions().__repr__()
-
-
-def controller(studio: Studio, path: str, upload, enabled: bool, session: Session, shipped: str | None = None):
-    """Load a fitted prototype controller (a shipped one by name, a server path or an upload) into this session,
-    switch it on or off for the intervened text, and list the prototypes it raises and lowers most. Returns
-    (session, rows, status, description)."""
-    try:
-        loaded, name = session.controller, session.controller_name
-        if upload or (path or "").strip():
-            loaded = app_controllers.load(studio, upload or path.strip())
-            name = app_controllers.shipped_name(upload or path.strip())
-        elif shipped:
-            loaded, name = app_controllers.load_shipped(studio, shipped), str(shipped)
-        if loaded is None:
-            raise AppError("no controller loaded: pick a shipped one, give a path or upload a file written by "
-                           "`python -m prism.controllers fit`")
-    except AppError as err:
-        return session, [], _problem(err), None
-    session = replace(session, controller=loaded, controller_on=bool(enabled), controller_name=name)
-    view = app_controllers.describe(studio, loaded)
-    state = "on: generate again to compare" if enabled else "loaded, off (tick the box to use it)"
-    return session, app_controllers.table_rows(view), _ok(f"controller {view['name']} {state}"), view
-
-
-def pick_controller_row(evt: gr.SelectData):
-    """A click on a row of the controller table -> its prototype id (to open the card)."""
-    return evt.row_value[1]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Handlers: links, exports and imports (app/share.py, app/export.py).
-
-
-def _base_url(request: gr.Request | None) -> str:
-    """The page's address as the browser (or the proxy in front of the app) sees it."""
-    headers = {k.lower(): v for k, v in dict(getattr(request, "headers", None) or {}).items()}
-    host = headers.get("x-forwarded-host") or headers.get("host") or "127.0.0.1:7860"
-    scheme = headers.get("x-forwarded-proto") or ("https" if host.endswith(".hf.space") else "http")
-    return f"{scheme.split(',')[0].strip()}://{host.split(',')[0].strip()}/"
-
-
-def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
-               run: str, token: dict | None, session: Session, request: gr.Request = None):
-    """A URL restoring the prompt, settings, seed, interventions and the explained token. Returns (url, status)."""
-    try:
-        settings = _settings(prompt, max_new_tokens, temperature, top_p, seed)
-        studio.encode_prompt(settings)  # the same checks as Generate: a link always restores something usable
-        selected = (run, int(token["index"])) if token and run in RUNS else None
-        url = f"{_base_url(request)}?{share.PARAM}={share.encode_link(studio, settings, session, selected)}"
-    except (AppError, TypeError, ValueError) as err:
-        return "", _problem(err)
-    notes = [] if session.controller is None or session.controller_name else [
-        " The loaded controller is not a shipped one, so the link leaves it out."]
-    return url, _ok("Link copied (also shown here): opening it restores the prompt, settings, interventions"
-                    + (" and the explained token" if selected else "") + " and generates again." + "".join(notes))
-
-
-def restore_link(studio: Studio, session: Session, request: gr.Request = None):
-    """On page load with ?state=...: fill the settings and interventions from the link (or say why it cannot be
-    used, and apply nothing). Returns (prompt, max new, temperature, top-p, seed, session, interventions rows,
-    intervention status, suppress mode, pending restore, generation status)."""
-    token = dict(getattr(request, "query_params", None) or {}).get(share.PARAM)
-    skip = tuple(gr.skip() for _ in range(11))
-    if not token:
-        return skip
-    try:
-        link = share.decode_link(studio, token)
-    except AppError as err:
-        return (*skip[:9], None, _problem(f"This link cannot be used: {err}. Nothing from it was applied."))
-    s = link.settings
-    restored = replace(link.session, original=None, intervened=None, selected=None)
-    pending = {"selected": list(link.selected) if link.selected else None}
-    return (s.prompt, s.max_new_tokens, s.temperature, s.top_p, s.seed, restored, restored.rows(),
-            _ok(f"restored {restored.n_rows} intervention(s) from the link"), restored.suppress_mode, pending,
-            "Restoring a shared link: generating…")
-
-
-def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_tokens, temperature, top_p, seed,
-                     session: Session):
-    """Generate after a restored link; nothing (skips) otherwise."""
-    if not pending:
-        yield tuple(gr.skip() for _ in range(6))
-        return
-    yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session)
-
-
-def select_pending(studio: Studio, pending: dict | None, session: Session):
-    """Explain the token a restored link selected, and open its top prototype's card; nothing otherwise. Returns
-    (run, index, the decompose outputs, the card outputs)."""
-    selected = (pending or {}).get("selected")
-    if not selected:
-        return tuple(gr.skip() for _ in range(2 + 7 + 5))
-    run, index = selected
-    outputs = decompose(studio, run, index, session)
-    return (run, index, *outputs, *prototype(studio, outputs[4]))
-
-
-def _export(make, *args):
-    """(the file or None on a problem, status)."""
-    try:
-        path = make(*args)
-    except AppError as err:
-        return None, _problem(err)
-    return path, _ok(f"ready: {Path(path).name} (download below)")
-
-
-def _shown_if_set(value):
-    """The link box and the download boxes take no room until they hold something."""
-    return gr.update(visible=bool(value))
-
-
-def export_generation(studio: Studio, session: Session):
-    """Both texts with every token's decomposition, as JSON. Returns (file, status)."""
-    return _export(export.export_generation, studio, session)
-
-
-def export_interventions(studio: Studio, session: Session):
-    """The interventions as JSON (Import reads it back). Returns (file, status)."""
-    return _export(export.export_interventions, studio, session)
-
-
-def export_table(studio: Studio):
-    """Every prototype with its label, category, scores and stats, as CSV. Returns (file, status)."""
-    return _export(export.export_table, studio)
-
-
-def export_evidence(studio: Studio, prototype_id):
-    """One prototype's evidence rows as CSV. Returns (file, status)."""
-    return _export(export.export_evidence, studio, prototype_id)
-
-
-def import_interventions(studio: Studio, upload, session: Session):
-    """Replace the session's interventions with those of an exported file. Returns (session, rows, status, mode)."""
-    try:
-        if not upload:
-            raise AppError("choose an interventions file (Export interventions writes one)")
-        path = Path(upload if isinstance(upload, str) else getattr(upload, "name", ""))
-        if path.stat().st_size > share.MAX_JSON_BYTES:
-            raise AppError("this file is too large to be an interventions file")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise AppError(f"this file is not JSON ({err})") from None
-        session = share.import_interventions(studio, data, session)
-    except (AppError, OSError) as err:
-        return session, _interventions_table(session), _problem(err), gr.skip()
-    return session, _interventions_table(session), _ok(f"imported {session.n_rows} intervention(s). Generate again "
-                                                       "to compare."), session.suppress_mode
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The layout.
+from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
+from app.session import SUPPRESS_MODE_NAMES, Session
 
 CSS = """
 .prism-evidence { border-left: 3px solid #ddd; padding: 4px 8px; margin: 6px 0; font-family: monospace; }
@@ -690,7 +55,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     categories = studio.db.categories if studio.db is not None else []
     # the legend: the categories the browser's filter offers, then what colours only tokens
     color_map = {c: plots.category_color(c) for c in [*studio.filters(), NO_PROTOTYPE] if c != NEVER_ACTIVE}
-    color_map[CHANGED] = "#ff2d2d"
+    color_map[h.CHANGED] = "#ff2d2d"
     db_note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
         "No precompute database: labels, categories and evidence are off. Build one with `python -m precompute " \
         "build --model MODEL --corpus CORPUS --db out.duckdb` and start with `--db out.duckdb`."
@@ -727,7 +92,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                                                               show_legend=True, show_label=False,
                                                               show_inline_category=False, elem_id="original")
                             with gr.Column():
-                                intervened_title = gr.Markdown(INTERVENED_TITLE, elem_id="intervened-title")
+                                intervened_title = gr.Markdown(h.INTERVENED_TITLE, elem_id="intervened-title")
                                 intervened = gr.HighlightedText(label="Intervened", color_map=color_map,
                                                                 show_legend=False, show_label=False,
                                                                 show_inline_category=False, elem_id="intervened")
@@ -743,13 +108,13 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                         export_file = gr.File(label="Download", interactive=False, elem_id="export-file",
                                               visible=False)
                         with gr.Row():
-                            run = gr.Radio(list(RUNS), value="original", label="Text", scale=1)
+                            run = gr.Radio(list(h.RUNS), value="original", label="Text", scale=1)
                             index = gr.Number(value=0, precision=0, label="Token index", scale=1)
                             decompose_btn = gr.Button("Explain token", scale=1, elem_id="explain")
                         token_md = gr.Markdown(elem_id="token-summary")
                         waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
                         alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
-                        active = gr.Dataframe(headers=ACTIVE_HEADERS, label="Active prototypes (click a row)",
+                        active = gr.Dataframe(headers=h.ACTIVE_HEADERS, label="Active prototypes (click a row)",
                                               interactive=False, elem_id="active", wrap=True,
                                               column_widths=["44px", "226px", "130px", "112px", "130px"])
                         with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
@@ -766,7 +131,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                             mode = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
                             category = gr.Dropdown(["all", *studio.filters()], value="all", label="Category",
                                                    scale=1, elem_id="category-filter")
-                            order = gr.Dropdown(list(ORDERINGS), value="relevance", label="Sort by", scale=1,
+                            order = gr.Dropdown(list(h.ORDERINGS), value="relevance", label="Sort by", scale=1,
                                                 elem_id="order")
                         with gr.Row():
                             search_btn = gr.Button("Search", variant="primary", elem_id="search", scale=3)
@@ -775,8 +140,8 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                         table_file = gr.File(label="Download", interactive=False, elem_id="table-file",
                                              visible=False)
                         search_status = gr.Markdown(elem_id="search-status")
-                        table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, label="Prototypes (click a "
-                                             "row)", elem_id="table", max_height=360, column_widths=TABLE_WIDTHS,
+                        table = gr.Dataframe(headers=h.TABLE_HEADERS, interactive=False, label="Prototypes (click a "
+                                             "row)", elem_id="table", max_height=360, column_widths=h.TABLE_WIDTHS,
                                              wrap=True)
                         proto_map = gr.Plot(label="Map", elem_id="prototype-map")
             with gr.Column(scale=2):
@@ -800,7 +165,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 card_json = gr.JSON(visible=False)
                 gr.Markdown("### Your interventions")
                 iv_status = gr.Markdown(elem_id="iv-status")
-                iv_table = gr.Dataframe(headers=INTERVENTION_HEADERS, interactive=False, elem_id="interventions")
+                iv_table = gr.Dataframe(headers=h.INTERVENTION_HEADERS, interactive=False, elem_id="interventions")
                 iv_suppress_mode = gr.Radio(
                     [(name, mode) for mode, name in SUPPRESS_MODE_NAMES.items()], value=Session().suppress_mode,
                     label="A suppressed prototype is switched off by", elem_id="suppress-mode",
@@ -839,112 +204,112 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                     ctl_on = gr.Checkbox(value=True, label="Use it for the intervened text", elem_id="ctl-on")
                     ctl_btn = gr.Button("Load / apply", elem_id="ctl-apply")
                     ctl_status = gr.Markdown(elem_id="ctl-status")
-                    ctl_table = gr.Dataframe(headers=CONTROLLER_HEADERS, interactive=False, elem_id="ctl-table",
+                    ctl_table = gr.Dataframe(headers=h.CONTROLLER_HEADERS, interactive=False, elem_id="ctl-table",
                                              label="Most raised and lowered prototypes (click a row)")
                     ctl_json = gr.JSON(visible=False)
 
         card_outputs = [card_md, signature, histogram, evidence, card_json]
         iv_outputs = [session, iv_table, iv_status]
-        control = gr.State(RunControl())
+        control = gr.State(h.RunControl())
         generate_btn.click(
-            clear_explanation, None, [waterfall, alternatives, token_md, active, token_json, attribution_html,
+            h.clear_explanation, None, [waterfall, alternatives, token_md, active, token_json, attribution_html,
                                       attribution_json, gen_status], api_name=False, queue=False).then(
-            partial(generate, studio), [prompt, max_new, temperature, top_p, seed, session, control],
+            partial(h.generate, studio), [prompt, max_new, temperature, top_p, seed, session, control],
             [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate",
             concurrency_limit=concurrency, concurrency_id="model")
-        stop_btn.click(request_stop, [control], None, api_name=False, queue=False)
+        stop_btn.click(h.request_stop, [control], None, api_name=False, queue=False)
         token_outputs = [waterfall, alternatives, token_md, active, proto_id, session, token_json]
-        decompose_btn.click(partial(decompose, studio), [run, index, session], token_outputs, api_name="decompose",
+        decompose_btn.click(partial(h.decompose, studio), [run, index, session], token_outputs, api_name="decompose",
                             concurrency_limit=concurrency, concurrency_id="model").then(
-            partial(prototype, studio), [proto_id], card_outputs, api_name=False)
-        for select, component in ((select_original, original), (select_intervened, intervened)):
+            partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
+        for select, component in ((h.select_original, original), (h.select_intervened, intervened)):
             component.select(select, None, [run, index], api_name=False).then(
-                partial(decompose, studio), [run, index, session], token_outputs, api_name=False).then(
-                partial(prototype, studio), [proto_id], card_outputs, api_name=False)
-        open_btn.click(partial(prototype, studio), [proto_id], card_outputs, api_name="prototype")
+                partial(h.decompose, studio), [run, index, session], token_outputs, api_name=False).then(
+                partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
+        open_btn.click(partial(h.prototype, studio), [proto_id], card_outputs, api_name="prototype")
 
         def pick_row(evt: gr.SelectData):
             return evt.row_value[0]
 
         for frame in (active, table):
             frame.select(pick_row, None, [proto_id], api_name=False).then(
-                partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+                partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
 
         search_inputs = [query_box, mode, category, order]
         map_inputs = [query_box, table, card_json, category]
-        search_btn.click(partial(search, studio), search_inputs, [table, search_status], api_name="search").then(
-            partial(map_plot, studio), map_inputs, [proto_map], api_name=False)
+        search_btn.click(partial(h.search, studio), search_inputs, [table, search_status], api_name="search").then(
+            partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
         for trigger in (query_box.submit, mode.input, category.input, order.input):  # every change applies at once
-            trigger(partial(search, studio), search_inputs, [table, search_status], api_name=False).then(
-                partial(map_plot, studio), map_inputs, [proto_map], api_name=False)
-        card_json.change(partial(map_plot, studio), map_inputs, [proto_map], api_name=False)
+            trigger(partial(h.search, studio), search_inputs, [table, search_status], api_name=False).then(
+                partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
+        card_json.change(partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
 
-        suppress_btn.click(partial(suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
-        scale_btn.click(partial(scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
-        category_btn.click(partial(suppress_category, studio), [iv_category, session], iv_outputs,
+        suppress_btn.click(partial(h.suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
+        scale_btn.click(partial(h.scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
+        category_btn.click(partial(h.suppress_category, studio), [iv_category, session], iv_outputs,
                            api_name="suppress_category")
-        iv_search_btn.click(partial(suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
+        iv_search_btn.click(partial(h.suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
                             api_name="suppress_search")
-        preset_btn.click(partial(apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
-        iv_suppress_mode.input(suppress_mode, [iv_suppress_mode, session], iv_outputs, api_name="suppress_mode")
-        remove_btn.click(remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
-        clear_btn.click(clear_interventions, [session], iv_outputs, api_name="clear_interventions")
+        preset_btn.click(partial(h.apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
+        iv_suppress_mode.input(h.suppress_mode, [iv_suppress_mode, session], iv_outputs, api_name="suppress_mode")
+        remove_btn.click(h.remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
+        clear_btn.click(h.clear_interventions, [session], iv_outputs, api_name="clear_interventions")
         iv_refresh = gr.Button(visible=False)
-        iv_refresh.click(list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
-        ctl_btn.click(partial(controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
+        iv_refresh.click(h.list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
+        ctl_btn.click(partial(h.controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
                       [session, ctl_table, ctl_status, ctl_json], api_name="controller").then(
-            list_interventions, [session], [iv_table, iv_repr], api_name=False)
-        ctl_table.select(pick_controller_row, None, [proto_id], api_name=False).then(
-            partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+            h.list_interventions, [session], [iv_table, iv_repr], api_name=False)
+        ctl_table.select(h.pick_controller_row, None, [proto_id], api_name=False).then(
+            partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
 
         # Training data behind the selected token: on request, and whenever a token's decomposition arrives.
         attribution_outputs = [attribution_html, attribution_json]
         attribute_btn.click(partial(attribution_panel, studio), [run, index, session], attribution_outputs,
                             api_name="attribute", concurrency_limit=concurrency, concurrency_id="model")
-        token_json.change(partial(refresh_attribution, studio), [token_json, run, index, session],
+        token_json.change(partial(h.refresh_attribution, studio), [token_json, run, index, session],
                           attribution_outputs, api_name=False)
 
         # Links, exports, imports.
         settings_inputs = [prompt, max_new, temperature, top_p, seed]
         # Gradio passes gr.Request only to functions whose own annotations name it (not through a partial).
         def link_for(prompt, max_new, temperature, top_p, seed, run, token, session, request: gr.Request):
-            return share_link(studio, prompt, max_new, temperature, top_p, seed, run, token, session, request)
+            return h.share_link(studio, prompt, max_new, temperature, top_p, seed, run, token, session, request)
 
         def restore_for(session, request: gr.Request):
-            return restore_link(studio, session, request)
+            return h.restore_link(studio, session, request)
 
         link_btn.click(link_for, [*settings_inputs, run, token_json, session],
                        [link_box, share_status], api_name="link").then(
             None, [link_box], None, api_name=False,
             js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }").then(
-            _shown_if_set, [link_box], [link_box], api_name=False)
-        export_gen_btn.click(partial(export_generation, studio), [session], [export_file, share_status],
+            h._shown_if_set, [link_box], [link_box], api_name=False)
+        export_gen_btn.click(partial(h.export_generation, studio), [session], [export_file, share_status],
                              api_name="export_generation", concurrency_limit=concurrency, concurrency_id="model").then(
-            _shown_if_set, [export_file], [export_file], api_name=False)
-        export_iv_btn.click(partial(export_interventions, studio), [session], [export_file, share_status],
+            h._shown_if_set, [export_file], [export_file], api_name=False)
+        export_iv_btn.click(partial(h.export_interventions, studio), [session], [export_file, share_status],
                             api_name="export_interventions").then(
-            _shown_if_set, [export_file], [export_file], api_name=False)
-        import_iv_btn.upload(partial(import_interventions, studio), [import_iv_btn, session],
+            h._shown_if_set, [export_file], [export_file], api_name=False)
+        import_iv_btn.upload(partial(h.import_interventions, studio), [import_iv_btn, session],
                              [session, iv_table, iv_status, iv_suppress_mode], api_name="import_interventions")
-        export_table_btn.click(partial(export_table, studio), None, [table_file, search_status],
+        export_table_btn.click(partial(h.export_table, studio), None, [table_file, search_status],
                                api_name="export_table").then(
-            _shown_if_set, [table_file], [table_file], api_name=False)
-        export_ev_btn.click(partial(export_evidence, studio), [proto_id], [evidence_file, iv_status],
+            h._shown_if_set, [table_file], [table_file], api_name=False)
+        export_ev_btn.click(partial(h.export_evidence, studio), [proto_id], [evidence_file, iv_status],
                             api_name="export_evidence").then(
-            _shown_if_set, [evidence_file], [evidence_file], api_name=False)
+            h._shown_if_set, [evidence_file], [evidence_file], api_name=False)
         pending = gr.State(None)
         demo.load(restore_for, [session],
                   [*settings_inputs, session, iv_table, iv_status, iv_suppress_mode, pending, gen_status],
                   api_name=False).then(
-            partial(generate_pending, studio), [pending, *settings_inputs, session],
+            partial(h.generate_pending, studio), [pending, *settings_inputs, session],
             [original, intervened, gen_status, intervened_title, session, result_json], api_name=False).then(
-            partial(select_pending, studio), [pending, session], [run, index, *token_outputs, *card_outputs],
+            partial(h.select_pending, studio), [pending, session], [run, index, *token_outputs, *card_outputs],
             api_name=False)
 
-        demo.load(partial(search, studio), search_inputs, [table, search_status], api_name=False).then(
-            partial(map_plot, studio), map_inputs, [proto_map], api_name="map")
-        demo.load(deep_link, None, [proto_id, tabs], api_name=False).then(
-            partial(prototype, studio), [proto_id], card_outputs, api_name=False)
+        demo.load(partial(h.search, studio), search_inputs, [table, search_status], api_name=False).then(
+            partial(h.map_plot, studio), map_inputs, [proto_map], api_name="map")
+        demo.load(h.deep_link, None, [proto_id, tabs], api_name=False).then(
+            partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
     return demo
 
 

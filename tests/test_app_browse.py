@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from test_app_support import shared_assets
 
-from app import ui
+from app import handlers, ui
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, UNLABELLED, Studio
 from precompute.embed import embed
 
@@ -33,15 +33,15 @@ def test_semantic_search_lists_the_matches_by_similarity_and_counts_them(studio)
     pid = max(range(studio.n_prototypes), key=lambda p: len(studio.label(p)[0]))
     label, category = studio.label(pid)
     for text in (f"{category}: {label}", label, "'; DROP TABLE labels; --", "qwertyuiop zxcv"):
-        rows, status = ui.search(studio, text, "semantic", "all", "relevance")
-        expected = {p: c for p, c in cosines(studio, text).items() if c >= ui.SEMANTIC_MIN - 1e-6}
+        rows, status = handlers.search(studio, text, "semantic", "all", "relevance")
+        expected = {p: c for p, c in cosines(studio, text).items() if c >= handlers.SEMANTIC_MIN - 1e-6}
         assert {r[0] for r in rows} == set(expected), text
-        assert status.startswith(f"{len(rows)} prototype(s) with label similarity >= {ui.SEMANTIC_MIN:.2f}")
+        assert status.startswith(f"{len(rows)} prototype(s) with label similarity >= {handlers.SEMANTIC_MIN:.2f}")
         similarities = [r[6] for r in rows]
         assert similarities == sorted(similarities, reverse=True)
         for r in rows:
             assert abs(r[6] - expected[r[0]]) < 2e-3
-    rows, _ = ui.search(studio, f"{category}: {label}", "semantic", "all", "relevance")
+    rows, _ = handlers.search(studio, f"{category}: {label}", "semantic", "all", "relevance")
     assert rows[0][0] == pid and rows[0][6] > 0.99  # the label itself is the best match
 
 
@@ -49,7 +49,7 @@ def test_semantic_search_lists_the_matches_by_similarity_and_counts_them(studio)
 def test_every_sort_order_sorts(studio, text, mode):
     columns = {"prototype id": 0, "label score": 3, "activation count": 5}
     for order, column in columns.items():
-        rows, status = ui.search(studio, text, mode, "all", order)
+        rows, status = handlers.search(studio, text, mode, "all", order)
         assert f"sorted by {order}" in status
         values = [r[column] for r in rows]
         if order == "prototype id":
@@ -57,10 +57,10 @@ def test_every_sort_order_sorts(studio, text, mode):
         else:
             present = [v for v in values if v is not None]
             assert present == sorted(present, reverse=True) and values[: len(present)] == present
-    rows, _ = ui.search(studio, text, mode, "all", "relevance")
-    by_id, _ = ui.search(studio, text, mode, "all", "prototype id")
+    rows, _ = handlers.search(studio, text, mode, "all", "relevance")
+    by_id, _ = handlers.search(studio, text, mode, "all", "prototype id")
     assert sorted(r[0] for r in rows) == [r[0] for r in by_id]  # the same set in every order
-    _, status = ui.search(studio, text, mode, "all", "nonsense")
+    _, status = handlers.search(studio, text, mode, "all", "nonsense")
     assert status.startswith("⚠️")
 
 
@@ -69,28 +69,28 @@ def test_the_filter_has_every_category_the_legend_shows(studio):
     assert set(studio.db.categories) <= set(filters) and UNLABELLED in filters and NEVER_ACTIVE in filters
     counts = dict(studio.db.run(lambda c: c.execute(
         "SELECT prototype_id, coalesce(activation_count, 0) FROM prototypes").fetchall()))
-    rows, status = ui.search(studio, "", "label", NEVER_ACTIVE, "prototype id")
+    rows, status = handlers.search(studio, "", "label", NEVER_ACTIVE, "prototype id")
     assert [r[0] for r in rows] == sorted(p for p, n in counts.items() if n == 0)
     assert status.startswith(f"{len(rows)} prototype(s) in never active")
     unlabelled = sorted(p for p in range(studio.n_prototypes) if not studio.label(p)[0])
-    assert [r[0] for r in ui.search(studio, "", "label", UNLABELLED, "prototype id")[0]] == unlabelled
+    assert [r[0] for r in handlers.search(studio, "", "label", UNLABELLED, "prototype id")[0]] == unlabelled
     for category in studio.db.categories:
-        rows, _ = ui.search(studio, "", "label", category, "prototype id")
+        rows, _ = handlers.search(studio, "", "label", category, "prototype id")
         assert rows and all(r[2] == category for r in rows)
     demo = ui.build_demo(studio)
     legend = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "original").color_map
-    assert set(legend) - {ui.CHANGED, NO_PROTOTYPE} == set(filters) - {NEVER_ACTIVE}
+    assert set(legend) - {handlers.CHANGED, NO_PROTOTYPE} == set(filters) - {NEVER_ACTIVE}
 
 
 def test_the_map_marks_results_the_open_card_and_the_category(studio):
     label = studio.label(3)[0]
     word = max(label.split(), key=len).strip("'(),")
-    rows, _ = ui.search(studio, word, "label", "all", "relevance")
+    rows, _ = handlers.search(studio, word, "label", "all", "relevance")
     assert rows
-    table = pd.DataFrame(rows, columns=ui.TABLE_HEADERS)
+    table = pd.DataFrame(rows, columns=handlers.TABLE_HEADERS)
     card = {"prototype_id": 5}
     category = studio.label(5)[1]
-    fig = ui.map_plot(studio, word, table, card, category)
+    fig = handlers.map_plot(studio, word, table, card, category)
     traces = {t.name: t for t in fig.data}
     ringed = next(t for name, t in traces.items() if name.startswith("search results"))
     assert sorted(ringed.customdata) == sorted(r[0] for r in rows)
@@ -101,7 +101,7 @@ def test_the_map_marks_results_the_open_card_and_the_category(studio):
     everyone = [p for t in fig.data if not t.name.startswith(("search results", "#5")) for p in t.customdata]
     assert sorted(everyone) == list(range(studio.n_prototypes))  # every prototype drawn once, outliers included
     # without a search nothing is ringed, without a card nothing is starred
-    plain = ui.map_plot(studio, "", table, None, "all")
+    plain = handlers.map_plot(studio, "", table, None, "all")
     assert not any(t.name.startswith(("search results", "other categories")) or "open card" in t.name
                    for t in plain.data)
 
@@ -112,7 +112,7 @@ def test_the_card_explains_both_scores_and_lists_the_siblings(studio):
     with_siblings = [p for p in range(studio.n_prototypes) if studio.db.run(query.siblings, p)]
     assert with_siblings, "the tiny database should have prototypes that share tokens"
     pid = with_siblings[0]
-    md, *_, data = ui.prototype(studio, pid)
+    md, *_, data = handlers.prototype(studio, pid)
     siblings = studio.db.run(query.siblings, pid)
     score = studio.db.run(lambda c: c.execute("SELECT sibling_score FROM labels WHERE prototype_id = ?",
                                               [pid]).fetchone()[0])

@@ -11,7 +11,7 @@ import re
 import pytest
 from test_app_support import ROOT, changing_prototype, running_app, shared_assets
 
-from app import ui
+from app import handlers
 from app.core import GenerationSettings, Studio
 
 pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
@@ -165,7 +165,7 @@ def test_semantic_search_order_count_sort_and_map_marks(browser, app):
     page.wait_for_function("document.querySelector('#search-status').innerText.includes('similarity >=')")
     status = page.inner_text("#search-status")
     n = int(status.split()[0])
-    rows, _ = ui.search(studio, f"{category}: {label}", "semantic", "all", "relevance")
+    rows, _ = handlers.search(studio, f"{category}: {label}", "semantic", "all", "relevance")
     assert n == len(rows) >= 1 and "sorted by relevance" in status
     first = page.locator("#table [data-testid='cell-0-0']").inner_text()
     assert int(first) == pid  # the best match first, not the most active

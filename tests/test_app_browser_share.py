@@ -10,7 +10,7 @@ import pytest
 from test_app_browser import new_page, set_number, shot
 from test_app_support import changing_prototype, running_app, shared_assets
 
-from app import ui
+from app import handlers
 from app.core import GenerationSettings, Studio
 
 pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
@@ -56,7 +56,7 @@ def test_the_panel_follows_the_text_newlines_keep_indices_and_no_special_token(b
     set_number(page, "seed", seed)
     generate(page, 24)
     tokens = chips(page, "original")
-    assert tokens[at].endswith(ui.NEWLINE) and not any("<|" in t for t in tokens)
+    assert tokens[at].endswith(handlers.NEWLINE) and not any("<|" in t for t in tokens)
     # the chip right after the line break is token at+1, explained as such
     page.locator("#original .textfield .token").nth(at + 1).click()
     page.wait_for_function(f"document.querySelector('#token-summary').innerText.includes('Token {at + 1}:')")

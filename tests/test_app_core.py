@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_app_support import changing_prototype, shared_assets
 
-from app import plots, ui
+from app import handlers, plots
 from app.core import AppError, GenerationSettings, Studio, side_by_side
 from app.session import Session, group_item, scale_item, suppress_item
 from prism import Interventions
@@ -177,21 +177,21 @@ def test_every_token_is_one_chip_and_newlines_show_as_a_mark(studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=4))
     gen.steps[1].text = "\n\n"  # as a line-break token would read
     gen.steps[2].text = " end\r\n"
-    chips = ui._highlights(studio, gen)
+    chips = handlers._highlights(studio, gen)
     assert len(chips) == len(gen.steps)
-    assert [c[0] for c in chips][1:3] == [ui.NEWLINE * 2, " end" + ui.NEWLINE]
+    assert [c[0] for c in chips][1:3] == [handlers.NEWLINE * 2, " end" + handlers.NEWLINE]
     assert not any("\n" in text or "\r" in text for text, _ in chips)
 
 
 def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studio):
     greedy = studio.generate(GenerationSettings(PROMPT, max_new_tokens=6))
-    summary = ui._token_summary(studio.token_view(greedy, 0), None)
+    summary = handlers._token_summary(studio.token_view(greedy, 0), None)
     assert "Chosen: the highest logit; next best" in summary and "Runner-up" not in summary
     sampled = studio.generate(GenerationSettings(PROMPT, max_new_tokens=24, temperature=2.0, seed=1))
     for index in range(len(sampled.steps)):
         view = studio.token_view(sampled, index)
         if view.alternatives[0].token_id != view.chosen.token_id:  # alternatives are sorted by logit
-            summary = ui._token_summary(view, None)
+            summary = handlers._token_summary(view, None)
             assert "Chosen (sampled)" in summary and html.escape(repr(view.alternatives[0].token)) in summary
             break
     else:
@@ -199,10 +199,10 @@ def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studi
 
 
 def test_a_new_generation_clears_the_explanation_panel(studio):
-    waterfall, alternatives, summary, rows, data, attribution, attribution_data, status = ui.clear_explanation()
+    waterfall, alternatives, summary, rows, data, attribution, attribution_data, status = handlers.clear_explanation()
     assert "new text" in summary and status == "Generating…"
     assert rows == [] and data is None and attribution_data is None
-    assert ui.refresh_attribution(studio, None, "original", 3, Session()) == (ui.EMPTY_ATTRIBUTION, None)
+    assert handlers.refresh_attribution(studio, None, "original", 3, Session()) == (handlers.EMPTY_ATTRIBUTION, None)
 
 
 def test_session_suppress_mode_defaults_to_reroute_and_is_per_session():
@@ -213,9 +213,9 @@ def test_session_suppress_mode_defaults_to_reroute_and_is_per_session():
     assert zero.with_suppress_mode("re-route to the nearest prototypes").suppress_mode == "reroute"
     with pytest.raises(ValueError, match="suppress mode must be one of"):
         s.with_suppress_mode("erase")
-    same, rows, status = ui.suppress_mode("erase", s)
+    same, rows, status = handlers.suppress_mode("erase", s)
     assert same is s and status.startswith("⚠️") and len(rows) == 2
-    changed, _, status = ui.suppress_mode("zero", s)
+    changed, _, status = handlers.suppress_mode("zero", s)
     assert changed.suppress_mode == "zero" and "remove the slice" in status and changed.items == s.items
 
 
@@ -240,16 +240,16 @@ def test_group_interventions_from_the_database(studio):
     category = studio.db.categories[0]
     ids = studio.category_ids(category)
     assert ids and all(studio.label(p)[1] == category for p in ids)
-    session, rows, status = ui.suppress_category(studio, category, Session())
+    session, rows, status = handlers.suppress_category(studio, category, Session())
     assert session.interventions().suppress == set(ids) and "category" in rows[0][1]
     label = studio.label(ids[0])[0]
-    session, _, status = ui.suppress_search(studio, label, "label", session)
+    session, _, status = handlers.suppress_search(studio, label, "label", session)
     assert ids[0] in session.items[-1].prototype_ids and "⚠️" not in status
-    session, _, status = ui.suppress_search(studio, "numbers", "semantic", session)
+    session, _, status = handlers.suppress_search(studio, "numbers", "semantic", session)
     assert len(session.items) == 3 and len(session.items[-1].prototype_ids) <= 10
-    _, _, status = ui.suppress(studio, 999, session)
+    _, _, status = handlers.suppress(studio, 999, session)
     assert "no prototype 999" in status
-    _, _, status = ui.suppress_category(studio, "not a category", session)
+    _, _, status = handlers.suppress_category(studio, "not a category", session)
     assert status.startswith("⚠️")
 
 
@@ -267,38 +267,39 @@ def test_bad_input_gets_a_message(studio):
     with pytest.raises(AppError):
         studio.card("x; DROP TABLE labels")
     for text in ["'; DROP TABLE labels; --", "%", "_", "\x00\x01", "<script>alert(1)</script>", "a" * 10_000]:
-        rows, status = ui.search(studio, text, "label", "all", "label score")
+        rows, status = handlers.search(studio, text, "label", "all", "label score")
         assert isinstance(rows, list)
         assert ("type something" in status) if text == "\x00\x01" else "⚠️" not in status
-        rows, status = ui.search(studio, text, "semantic", "all", "activation count")
+        rows, status = handlers.search(studio, text, "semantic", "all", "activation count")
         assert isinstance(rows, list)
     assert len(studio.table()) == studio.n_prototypes  # nothing was dropped
-    md, *_ = ui.prototype(studio, "<b>1</b>")
+    md, *_ = handlers.prototype(studio, "<b>1</b>")
     assert md.startswith("⚠️")
 
 
 def test_generate_and_decompose_handlers(studio):
     session = Session().add(suppress_item(changing_prototype(studio, GenerationSettings(PROMPT, 6))))
     outputs, seen = [], []
-    for out in ui.generate(studio, PROMPT, 6, 0, 1, 0, session):
+    for out in handlers.generate(studio, PROMPT, 6, 0, 1, 0, session):
         outputs.append(out)
         # while streaming, the session already holds the growing texts (a token can be explained before the end)
         seen.append((len(out[0]), len(out[4].original.steps) if out[4].original else 0))
     assert len(outputs) >= 6  # streamed: one update per step at least
     assert all(chips == held for chips, held in seen) and [c for c, _ in seen][:3] == [1, 2, 3]
     original, intervened, status, title, session, result = outputs[-1]
-    assert len(original) == 6 and any(label == ui.CHANGED for _, label in intervened)
+    assert len(original) == 6 and any(label == handlers.CHANGED for _, label in intervened)
     assert "1 suppressed (re-routed)" in title  # the column says what was applied
     assert result["first_change"] is not None and "changed" in status
-    fig, alt, summary, rows, top, session, data = ui.decompose(studio, "intervened", result["first_change"], session)
+    fig, alt, summary, rows, top, session, data = handlers.decompose(studio, "intervened", result["first_change"],
+                                                                     session)
     assert data["why_changed"]["flip_set"] and close(data["chosen"]["sum"], data["chosen"]["logit"])
     assert top == rows[0][0] and session.selected == ("intervened", result["first_change"])
-    md, signature, histogram, evidence, card = ui.prototype(studio, top)
+    md, signature, histogram, evidence, card = handlers.prototype(studio, top)
     assert card["prototype_id"] == top and "outline" in evidence  # the evidence token is highlighted
     # the stored original is reused when only the interventions change
-    again = list(ui.generate(studio, PROMPT, 6, 0, 1, 0, session.clear()))
+    again = list(handlers.generate(studio, PROMPT, 6, 0, 1, 0, session.clear()))
     assert again[-1][4].original is session.original and again[-1][4].intervened is None
-    assert again[-1][3] == ui.INTERVENED_TITLE
+    assert again[-1][3] == handlers.INTERVENED_TITLE
 
 
 def test_without_a_database(bare, tmp_path, tmp_path_factory):
@@ -308,7 +309,7 @@ def test_without_a_database(bare, tmp_path, tmp_path_factory):
     assert close(view.chosen.total, view.chosen.logit) and all(s.category == "unlabelled" for s in view.chosen.slices)
     with pytest.raises(AppError, match="precompute build"):
         bare.card(0)
-    rows, status = ui.search(bare, "year", "label", "all", "label score")
+    rows, status = handlers.search(bare, "year", "label", "all", "label score")
     assert rows == [] and "precompute build" in status
     corrupt = tmp_path / "corrupt.duckdb"
     corrupt.write_bytes(b"this is not a database" * 100)

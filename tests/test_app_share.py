@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_app_support import build_tiny_controller, changing_prototype, shared_assets
 
-from app import export, share, ui
+from app import export, handlers, share
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session, group_item, scale_item, suppress_item
 
@@ -39,7 +39,7 @@ def pack(data: dict) -> str:
 
 def shown(value):
     """A handler's link or file, None when there is none (the page then keeps the box hidden)."""
-    return ui._shown_if_set(value)["visible"] and value or None
+    return handlers._shown_if_set(value)["visible"] and value or None
 
 
 def request(**query) -> gr.Request:
@@ -47,7 +47,7 @@ def request(**query) -> gr.Request:
 
 
 def texts(studio, settings: GenerationSettings, session: Session) -> tuple[list[int], list[int] | None]:
-    *_, result = list(ui.generate(studio, settings.prompt, settings.max_new_tokens, settings.temperature,
+    *_, result = list(handlers.generate(studio, settings.prompt, settings.max_new_tokens, settings.temperature,
                                      settings.top_p, settings.seed, session))[-1]
     ids = lambda run: None if run is None else [t["token_id"] for t in run["tokens"]]  # noqa: E731
     return ids(result["original"]), ids(result["intervened"])
@@ -72,23 +72,23 @@ def test_a_link_restores_settings_interventions_token_and_the_same_two_texts(stu
     assert texts(studio, link.settings, link.session) == texts(studio, settings, session)
 
     # the handlers: the page's load event fills every control from ?state= and marks the restore as pending
-    url, status = ui.share_link(studio, settings.prompt, settings.max_new_tokens, settings.temperature,
+    url, status = handlers.share_link(studio, settings.prompt, settings.max_new_tokens, settings.temperature,
                                 settings.top_p, settings.seed, "intervened", {"index": 3}, session,
                                 request(host="x"))
     url = shown(url)
     assert url.startswith("http://example.org:7860/?state=") and "⚠️" not in status
-    out = ui.restore_link(studio, Session(), request(state=url.split("state=")[1]))
+    out = handlers.restore_link(studio, Session(), request(state=url.split("state=")[1]))
     prompt, max_new, temperature, top_p, seed, restored, rows, _, mode, pending, _ = out
     assert (prompt, max_new, temperature, top_p, seed) == (PROMPT, 8, 0.9, 0.95, 11)
     assert restored.interventions() == session.interventions() and rows == session.rows() and mode == "zero"
     assert pending == {"selected": ["intervened", 3]}
-    *_, restored, result = list(ui.generate_pending(studio, pending, prompt, max_new, temperature, top_p, seed,
+    *_, restored, result = list(handlers.generate_pending(studio, pending, prompt, max_new, temperature, top_p, seed,
                                                       restored))[-1]
-    picked = ui.select_pending(studio, pending, restored)
+    picked = handlers.select_pending(studio, pending, restored)
     assert picked[:2] == ("intervened", 3) and picked[2 + 6]["index"] == 3  # decompose's data of token 3
     # no ?state=: every output is skipped, nothing is generated
-    assert all(isinstance(o, type(gr.skip())) for o in ui.restore_link(studio, Session(), request()))
-    assert all(isinstance(o, type(gr.skip())) for o in next(ui.generate_pending(studio, None, *[None] * 5,
+    assert all(isinstance(o, type(gr.skip())) for o in handlers.restore_link(studio, Session(), request()))
+    assert all(isinstance(o, type(gr.skip())) for o in next(handlers.generate_pending(studio, None, *[None] * 5,
                                                                               Session())))
 
 
@@ -120,7 +120,7 @@ def test_an_edited_link_is_refused_with_a_reason(studio, state, edit, message):
     with pytest.raises(share.LinkError, match=message):
         share.decode_link(studio, pack(data))
     # through the page: a message in the status line, and every control left as it is
-    out = ui.restore_link(studio, Session(), request(state=pack(data)))
+    out = handlers.restore_link(studio, Session(), request(state=pack(data)))
     assert all(isinstance(o, type(gr.skip())) for o in out[:9]) and out[9] is None
     assert "cannot be used" in out[10] and "Nothing from it was applied" in out[10]
 
@@ -137,12 +137,12 @@ def test_a_damaged_link_is_refused(studio, state, damage):
 
 def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
     settings, session = state
-    path, status = ui.export_interventions(studio, session)
+    path, status = handlers.export_interventions(studio, session)
     path = shown(path)
     assert path and "⚠️" not in status
     data = json.loads(open(path).read())
     assert data["format"] == share.INTERVENTIONS_FORMAT and len(data["items"]) == 3
-    fresh, rows, status, mode = ui.import_interventions(studio, path, Session())
+    fresh, rows, status, mode = handlers.import_interventions(studio, path, Session())
     assert "imported 3" in status and mode == "zero" and rows == session.rows()
     assert fresh.interventions() == session.interventions()
     assert texts(studio, settings, fresh) == texts(studio, settings, session)
@@ -154,22 +154,22 @@ def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
                                                               "prototype_ids": [1, 1], "factor": 2}]}), "repeat")]:
         bad = tmp_path / "bad.json"
         bad.write_text(content)
-        after, rows, status, _ = ui.import_interventions(studio, str(bad), before)
+        after, rows, status, _ = handlers.import_interventions(studio, str(bad), before)
         assert after is before and message in status and rows == before.rows()
-    hidden, status = ui.export_interventions(studio, Session())
+    hidden, status = handlers.export_interventions(studio, Session())
     assert "no interventions" in status and shown(hidden) is None
 
 
 def test_controllers_are_listed_removable_and_kept_out_of_links_unless_shipped(studio, tmp_path):
     path, controller = build_tiny_controller(studio, tmp_path, PROMPT, 6)
-    session, *_ = ui.controller(studio, str(path), None, True, Session().add(suppress_item(2)))
+    session, *_ = handlers.controller(studio, str(path), None, True, Session().add(suppress_item(2)))
     rows = session.rows()
     assert len(rows) == 2 and rows[1][0] == 1 and rows[1][1].startswith("controller ") and "on" in rows[1][1]
     assert "controller" in session.applied() and "1 suppressed" in session.applied()
     assert session.remove(1).controller is None and session.remove(1).items == session.items
     assert session.clear().controller is None and not session.clear().items
     # a controller from an arbitrary file is not in a link or a file (only shipped ones travel, by name)
-    _, status = ui.share_link(studio, PROMPT, 6, 0, 1, 0, "original", None, session, request())
+    _, status = handlers.share_link(studio, PROMPT, 6, 0, 1, 0, "original", None, session, request())
     assert "not a shipped one" in status
     assert share.decode_link(studio, share.encode_link(studio, GenerationSettings(PROMPT, 6), session)) \
         .session.controller is None
@@ -184,8 +184,8 @@ def test_controllers_are_listed_removable_and_kept_out_of_links_unless_shipped(s
 @torch.no_grad()
 def test_generation_export_holds_every_tokens_exact_decomposition(studio, state):
     settings, session = state
-    *_, session, _ = list(ui.generate(studio, settings.prompt, 6, 0, 1, 0, session))[-1]
-    path, status = ui.export_generation(studio, session)
+    *_, session, _ = list(handlers.generate(studio, settings.prompt, 6, 0, 1, 0, session))[-1]
+    path, status = handlers.export_generation(studio, session)
     path = shown(path)
     data = json.loads(open(path).read())
     assert set(data["runs"]) == {"original", "intervened"} and data["status"] is not None
@@ -197,53 +197,53 @@ def test_generation_export_holds_every_tokens_exact_decomposition(studio, state)
             chosen = t["chosen"]
             expected = float(logits[t["position"], chosen["token_id"]])
             assert abs(chosen["residual"] + sum(s["contribution"] for s in chosen["slices"]) - expected) < 1e-3
-    _, status = ui.export_generation(studio, Session())
+    _, status = handlers.export_generation(studio, Session())
     assert "generate first" in status
 
 
 def test_table_and_evidence_csv_hold_what_the_database_holds(studio):
-    path = shown(ui.export_table(studio)[0])
+    path = shown(handlers.export_table(studio)[0])
     table = pd.read_csv(path)
     assert list(table["prototype_id"]) == list(range(studio.n_prototypes))
     assert {"label", "category", "label_score", "activation_count"} <= set(table.columns)
     labels = {p: studio.label(p)[0] for p in range(studio.n_prototypes)}
     assert {int(r.prototype_id): ("" if pd.isna(r.label) else r.label) for r in table.itertuples()} == labels
     pid = int(table.sort_values("activation_count", ascending=False)["prototype_id"].iloc[0])
-    path = shown(ui.export_evidence(studio, pid)[0])
+    path = shown(handlers.export_evidence(studio, pid)[0])
     ev = pd.read_csv(path)
     card = studio.card(pid, n_evidence=export.MAX_EVIDENCE)
     assert len(ev) == len(card["evidence"]) > 0 and list(ev["rank"]) == [e["rank"] for e in card["evidence"]]
     assert all(f"[{tok}]" in ctx for tok, ctx in zip(ev["token"], ev["context"]))
-    hidden, status = ui.export_evidence(studio, 999)
+    hidden, status = handlers.export_evidence(studio, 999)
     assert shown(hidden) is None and "no prototype 999" in status
 
 
 def test_a_stopped_generation_keeps_its_tokens_and_is_not_reused(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8)
-    control, other = ui.RunControl(), ui.RunControl()
-    stream = ui.generate(studio, PROMPT, 8, 0, 1, 0, Session(), control)
+    control, other = handlers.RunControl(), handlers.RunControl()
+    stream = handlers.generate(studio, PROMPT, 8, 0, 1, 0, Session(), control)
     for _ in range(3):
         next(stream)
-    ui.request_stop(other)  # another session's Stop does nothing here
+    handlers.request_stop(other)  # another session's Stop does nothing here
     next(stream)
-    ui.request_stop(control)  # the run ends after its current token and writes the last update itself
+    handlers.request_stop(control)  # the run ends after its current token and writes the last update itself
     rest = list(stream)
     assert len(rest) == 1
     original, _, status, _, session, result = rest[0]
     assert len(session.original.steps) == 4 and not session.original.finished and len(original) == 4
     assert "Stopped after 4 original" in status and len(result["original"]["tokens"]) == 4
     # a token written before Stop can be explained
-    _, _, summary, *_ = ui.decompose(studio, "original", 3, session)
+    _, _, summary, *_ = handlers.decompose(studio, "original", 3, session)
     assert "Token 3" in summary
     # the next run is not stopped by the old request, and the partial text is not reused as the original
-    *_, again, _ = list(ui.generate(studio, PROMPT, 8, 0, 1, 0, session, control))[-1]
+    *_, again, _ = list(handlers.generate(studio, PROMPT, 8, 0, 1, 0, session, control))[-1]
     assert again.original is not session.original and again.original.finished and len(again.original.steps) == 8
     assert again.original.token_ids[:4] == session.original.token_ids
     assert again.original.token_ids == studio.generate(settings).token_ids
 
 
 def test_bad_share_input_gets_a_message(studio):
-    url, status = ui.share_link(studio, "  ", 8, 0, 1, 0, "original", None, Session(), request())
+    url, status = handlers.share_link(studio, "  ", 8, 0, 1, 0, "original", None, Session(), request())
     assert shown(url) is None and "empty" in status
     with pytest.raises(AppError):
         share.decode_link(studio, "x" * (share.MAX_TOKEN_CHARS + 1))

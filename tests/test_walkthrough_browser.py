@@ -12,7 +12,7 @@ import re
 import pytest
 from test_app_support import ROOT, running_app
 
-from app import ui
+from app import handlers
 from app.assets import DEFAULT_MODEL, resolve_db
 from precompute.presets import PRESETS
 
@@ -169,7 +169,7 @@ def test_a_link_carries_a_shipped_controller_by_name(browser, app):
     page.set_default_timeout(TIMEOUT)
     page.goto(url)
     page.wait_for_function("document.querySelectorAll('#intervened .textfield .token').length == 12")
-    shown = lambda run: "".join(tokens(page, run)).replace(ui.NEWLINE, "\n")  # noqa: E731 - chips mark line breaks
+    shown = lambda run: "".join(tokens(page, run)).replace(handlers.NEWLINE, "\n")  # noqa: E731 - chips mark line breaks
     assert shown("original") == result["original"]["text"] and shown("intervened") == result["intervened"]["text"]
     assert "controller next_sentence (on" in page.inner_text("#interventions")
     assert "controller next_sentence" in page.inner_text("#intervened-title")
