@@ -11,28 +11,50 @@ that user's generations, through the same Interventions as suppression and scali
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import torch
 
 from app.assets import shipped_controllers
 from app.core import AppError, Studio
+from app.session import MAX_SCALE
 from prism.controllers import PrototypeController, load_controller
 
 SUFFIX = ".safetensors"
+MAX_FACTOR = MAX_SCALE  # the largest factor a loaded controller may apply, as for Scale
 SNIPPET_CHARS = 160
 
 
-def load(studio: Studio, path: str | Path | None) -> PrototypeController:
-    """A prototype controller file for this studio's model; AppError with the reason otherwise."""
+def load(studio: Studio, path: str | Path | None, upload: bool = False) -> PrototypeController:
+    """A prototype controller file for this studio's model; AppError with the reason otherwise. Messages name the
+    file, never its folder on the server. A path typed by the user is refused when the app's limits say so (on a
+    Space); uploads over the size limit are refused before reading."""
     if path is None or not str(path).strip():
         raise AppError("give the path of a controller file (python -m bench.controllers fit writes them) or "
                        "upload one")
+    if not upload and not studio.limits.server_paths and shipped_name(path) is None:
+        raise AppError("this app does not read files on the server: pick a shipped controller or upload a file")
     path = Path(str(path).strip())
     if path.suffix != SUFFIX:
-        raise AppError(f"a controller file ends with {SUFFIX}, got {path.name!r}")
+        raise AppError(f"a controller file ends with {SUFFIX}, got {path.name[:80]!r}")
+    try:
+        size = path.stat().st_size if path.is_file() else None
+    except OSError as err:  # e.g. a name too long for the file system
+        raise AppError(f"cannot read {path.name[:80]!r}: {err.strerror or 'not a usable file name'}") from None
+    if size is None:
+        raise AppError(f"no controller file {path.name[:80]!r}" + ("" if upload else " on the server"))
+    if size > studio.limits.max_upload_bytes:
+        raise AppError(f"{path.name[:80]!r} has {size:,} bytes; a controller file here is at most "
+                       f"{studio.limits.max_upload_bytes:,}")
     try:
         controller = load_controller(path, studio.model)
-    except (FileNotFoundError, ValueError) as err:
-        raise AppError(f"cannot use this controller: {err}") from None
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise AppError(f"cannot use this controller: {str(err).replace(str(path), path.name)[:300]}") from None
+    g = controller.log_factors
+    if not torch.isfinite(g).all() or float(g.max()) > math.log(MAX_FACTOR) + 1e-6:  # float32 rounding
+        raise AppError(f"this controller raises a prototype by more than x{MAX_FACTOR:g} (or holds a value that is "
+                       "not a number): such factors overflow the logits, so it is refused")
     return controller
 
 

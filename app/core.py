@@ -26,6 +26,9 @@ from pathlib import Path
 import duckdb
 import torch
 
+from app import limits
+from app.errors import AppError
+from app.limits import Limits
 from precompute import query
 from precompute.query import UnknownPrototype
 from prism import Interventions, PrismForCausalLM
@@ -38,13 +41,11 @@ UNLABELLED = "unlabelled"
 NO_PROTOTYPE = "no prototype active"  # a token's colour when no prototype fired for it (not a category)
 NEVER_ACTIVE = "never active"  # a browser filter: prototypes with no activation in the corpus (dead)
 MAX_QUERY_CHARS = 200
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**32 - 1  # torch and numpy both take seeds in this range
 BUILD_HINT = ("No precompute database is loaded, so there are no labels, categories or evidence. Build one with "
               "`python -m precompute build --model MODEL --corpus CORPUS --db out.duckdb` and start the app with "
               "`--db out.duckdb`.")
-
-
-class AppError(ValueError):
-    """A user-facing problem (bad input, no database, unknown prototype): the message is shown as is."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -219,8 +220,9 @@ def _clean_query(text: str) -> str:
 
 class Studio:
     def __init__(self, model: PrismForCausalLM, tokenizer, db: Database | None = None,
-                 db_error: str | None = None) -> None:
+                 db_error: str | None = None, limits: Limits | None = None) -> None:
         self.model = model.eval()
+        self.limits = limits or Limits()
         self.tokenizer = tokenizer
         self.db = db
         self.db_error = db_error
@@ -236,7 +238,7 @@ class Studio:
             self.db = None
 
     @classmethod
-    def load(cls, model_path: str | Path, db: str | Path | None = None) -> Studio:
+    def load(cls, model_path: str | Path, db: str | Path | None = None, limits: Limits | None = None) -> Studio:
         model = PrismForCausalLM.from_pretrained(model_path).eval()
         tokenizer = load_tokenizer(str(model_path))
         database, error = None, None
@@ -246,7 +248,7 @@ class Studio:
             except (FileNotFoundError, ValueError, duckdb.Error) as err:
                 error = f"the database could not be opened ({err}); running without it"
                 logger.warning(error)
-        return cls(model, tokenizer, database, error)
+        return cls(model, tokenizer, database, error, limits)
 
     # -- labels -----------------------------------------------------------------------------------------------
 
@@ -257,25 +259,45 @@ class Studio:
         return self.db.labels.get(int(prototype_id), ("", UNLABELLED))
 
     def check_prototype(self, prototype_id) -> int:
+        if isinstance(prototype_id, str):
+            prototype_id = prototype_id.strip()
+            if not prototype_id.lstrip("-").isdigit():
+                raise AppError(f"a prototype id is a whole number, got {prototype_id[:40]!r}")
         try:
-            pid = int(prototype_id)
-        except (TypeError, ValueError):
-            raise AppError(f"a prototype id is a whole number, got {prototype_id!r}") from None
+            pid = limits.whole("a prototype id", prototype_id, -2**63, 2**63)
+        except AppError as err:
+            raise AppError(f"{err} (a prototype id is a whole number)") from None
         if not 0 <= pid < self.n_prototypes:
             raise AppError(f"no prototype {pid}: this model has prototypes 0..{self.n_prototypes - 1}")
         return pid
 
     # -- generation -------------------------------------------------------------------------------------------
 
+    def check_settings(self, settings: GenerationSettings) -> GenerationSettings:
+        """The settings if this app runs them (lengths within its limits, numbers finite and in range); AppError
+        with a short message otherwise. Every way in (the page, the API, a link) goes through here."""
+        lim = self.limits
+        prompt = limits.text("the prompt", settings.prompt, lim.max_prompt_chars)
+        if not prompt.strip():
+            raise AppError("the prompt is empty: type a few words for the model to continue")
+        max_new = limits.whole("max new tokens", settings.max_new_tokens, 1, lim.max_new_tokens)
+        temperature = limits.number("temperature", settings.temperature, 0, MAX_TEMPERATURE, default=0)
+        top_p = limits.number("top-p", settings.top_p, 0, 1, default=1)
+        if top_p <= 0:
+            raise AppError("top-p must be above 0 (1 keeps every token)")
+        seed = limits.whole("the seed", settings.seed, 0, MAX_SEED, default=0)
+        return GenerationSettings(prompt=prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                                  seed=seed)
+
     def encode_prompt(self, settings: GenerationSettings) -> tuple[list[int], int, list[str]]:
         """Prompt ids, the number of new tokens that fit, and notes for the user (truncation)."""
-        if not settings.prompt or not settings.prompt.strip():
-            raise AppError("the prompt is empty: type a few words for the model to continue")
-        if settings.max_new_tokens < 1:
-            raise AppError(f"max new tokens must be at least 1, got {settings.max_new_tokens}")
+        settings = self.check_settings(settings)
         ids = self.tokenizer(settings.prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             raise AppError("the prompt has no tokens")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise AppError(f"the prompt has {len(ids):,} tokens; this app takes at most "
+                           f"{self.limits.max_prompt_tokens:,}: shorten it")
         notes = []
         max_new = int(settings.max_new_tokens)
         limit = self.model.max_length
@@ -298,8 +320,7 @@ class Studio:
             interventions.check(self.n_prototypes)
         except ValueError as err:
             raise AppError(str(err)) from None
-        if settings.do_sample and not 0 < settings.top_p <= 1:
-            raise AppError(f"top-p must be in (0, 1], got {settings.top_p}")
+        settings = self.check_settings(settings)
         ids, max_new, notes = self.encode_prompt(settings)
         gen = Generation(settings=settings, interventions=interventions, prompt_ids=ids,
                          prompt_text=self.tokenizer.decode(ids), notes=notes)
@@ -342,18 +363,20 @@ class Studio:
 
     @torch.no_grad()
     def final_states(self, gen: Generation) -> torch.Tensor:
-        """z (T, d) for prompt + tokens[:-1] (one forward pass, cached on the generation)."""
-        if gen.z is None or gen.z.shape[0] < len(gen.prompt_ids) + len(gen.steps) - 1:
-            z, _ = self.model.final_states(gen.input_ids(len(gen.steps) - 1))
+        """z (T, d) for prompt + tokens[:-1] (one forward pass). Kept on the generation while it is at most
+        limits.keep_states_tokens long, so the next click is fast; a longer one is recomputed on every click, so a
+        session never holds more than that many states per text."""
+        n = len(gen.prompt_ids) + len(gen.steps) - 1
+        if gen.z is not None and gen.z.shape[0] >= n:
+            return gen.z
+        z, _ = self.model.final_states(gen.input_ids(len(gen.steps) - 1))
+        if n <= self.limits.keep_states_tokens:
             gen.z = z[0]
-        return gen.z
+        return z[0]
 
     def token_position(self, gen: Generation, index) -> tuple[int, int]:
         """(generated-token index, the sequence position whose logits chose it); AppError for a bad index."""
-        try:
-            index = int(index)
-        except (TypeError, ValueError):
-            raise AppError(f"a token index is a whole number, got {index!r}") from None
+        index = limits.whole("the token index", index, -2**31, 2**31)
         if not 0 <= index < len(gen.steps):
             raise AppError(f"there is no generated token {index}: this text has {len(gen.steps)}")
         return index, len(gen.prompt_ids) + index - 1

@@ -5,15 +5,18 @@
     table_frame(studio)                every prototype with label, category, scores and activation stats
     evidence_frame(studio, 42)         one prototype's evidence: rank, source, activation, token and context
 
-write_json / write_csv put each into a fresh folder under the system temp dir (Gradio serves files from there)
-with a name that says what it is.
+write_json / write_csv put each into a fresh folder inside one folder of this process under the system temp dir
+(Gradio copies it into its own cache to serve it), with a name that says what it is. Each export first deletes the
+folders older than the app's file_max_age_s, so a long-running app keeps at most that much history.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -72,18 +75,45 @@ def evidence_frame(studio: Studio, prototype_id) -> pd.DataFrame:
                                        "title", "url", "error"])
 
 
-def _out(name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix="prism-export-")) / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+_ROOT: Path | None = None
 
 
-def write_json(data: dict, name: str) -> str:
-    path = _out(name)
+def export_root() -> Path:
+    """This process's export folder (made on first use)."""
+    global _ROOT
+    if _ROOT is None or not _ROOT.is_dir():
+        _ROOT = Path(tempfile.mkdtemp(prefix="prism-exports-"))
+    return _ROOT
+
+
+def sweep(max_age_s: float, now: float | None = None) -> int:
+    """Delete the export folders older than max_age_s; returns how many went."""
+    now = time.time() if now is None else now
+    gone = 0
+    for folder in export_root().iterdir():
+        try:
+            if now - folder.stat().st_mtime > max_age_s:
+                shutil.rmtree(folder, ignore_errors=True)
+                gone += 1
+        except OSError:
+            continue
+    return gone
+
+
+def _out(name: str, max_age_s: float) -> Path:
+    sweep(max_age_s)
+    folder = Path(tempfile.mkdtemp(dir=export_root()))
+    return folder / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def write_json(data: dict, name: str, max_age_s: float = 3600) -> str:
+    path = _out(name, max_age_s)
     path.write_text(json.dumps(data, indent=1, ensure_ascii=False, default=float))
     return str(path)
 
 
-def write_csv(frame: pd.DataFrame, name: str) -> str:
-    path = _out(name)
+def write_csv(frame: pd.DataFrame, name: str, max_age_s: float = 3600) -> str:
+    path = _out(name, max_age_s)
     frame.to_csv(path, index=False)
     return str(path)
 
@@ -91,18 +121,18 @@ def write_csv(frame: pd.DataFrame, name: str) -> str:
 def export_interventions(studio: Studio, session: Session) -> str:
     if not session.items and session.controller is None:
         raise AppError("there are no interventions to export: suppress or scale a prototype first")
-    return write_json(interventions_json(studio, session), "prism-interventions.json")
+    return write_json(interventions_json(studio, session), "prism-interventions.json", studio.limits.file_max_age_s)
 
 
 def export_generation(studio: Studio, session: Session) -> str:
-    return write_json(generation_json(studio, session), "prism-generation.json")
+    return write_json(generation_json(studio, session), "prism-generation.json", studio.limits.file_max_age_s)
 
 
 def export_table(studio: Studio) -> str:
-    return write_csv(table_frame(studio), "prism-prototypes.csv")
+    return write_csv(table_frame(studio), "prism-prototypes.csv", studio.limits.file_max_age_s)
 
 
 def export_evidence(studio: Studio, prototype_id) -> str:
     pid = studio.check_prototype(prototype_id)
-    return write_csv(evidence_frame(studio, pid), f"prism-evidence-{pid}.csv")
+    return write_csv(evidence_frame(studio, pid), f"prism-evidence-{pid}.csv", studio.limits.file_max_age_s)
 

@@ -14,7 +14,9 @@ the app keeps running.
 
 from __future__ import annotations
 
+import functools
 import html
+import inspect
 import json
 import logging
 from dataclasses import replace
@@ -23,7 +25,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import controllers as app_controllers
-from app import export, plots, share
+from app import export, limits, plots, share
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
 from app.core import (
@@ -35,7 +37,7 @@ from app.core import (
     rerouted_summary,
     side_by_side,
 )
-from app.session import SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
+from app.session import MAX_SCALE, SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,41 @@ SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the 
 ACTIVE_HEADERS = ["id", "label", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
 CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
+
+
+def guarded(fn):
+    """A handler that never shows a raw exception: an AppError that escapes becomes its message, anything else is
+    logged with its traceback and the user reads one line (Gradio shows a gr.Error's message, nothing else, since
+    the app launches with show_error=False). Generators stay generators, and the signature (gr.Request,
+    gr.SelectData) is the handler's own, so Gradio fills in what it asks for."""
+
+    def fail(err: Exception) -> gr.Error:
+        if isinstance(err, AppError):
+            return gr.Error(str(err)[:300])
+        logger.exception("%s failed", fn.__name__)
+        return gr.Error(f"Something went wrong on the server in {fn.__name__} (it is logged); nothing was changed. "
+                        "Try other input or reload the page.")
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def wrapped_generator(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:  # noqa: BLE001 - the point: nothing raw reaches the user
+                raise fail(err) from None
+        return wrapped_generator
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise fail(err) from None
+    return wrapped
 
 
 def _ok(message: str) -> str:
@@ -117,12 +154,14 @@ class RunControl:
         return self.stop_run == run
 
 
-def _settings(prompt, max_new_tokens, temperature, top_p, seed) -> GenerationSettings:
-    """The page's controls as settings (empty controls read as the defaults' zero values)."""
-    return GenerationSettings(prompt=prompt or "", max_new_tokens=int(max_new_tokens or 0),
-                              temperature=float(temperature or 0), top_p=float(top_p or 1.0), seed=int(seed or 0))
+def _settings(studio: Studio, prompt, max_new_tokens, temperature, top_p, seed) -> GenerationSettings:
+    """The page's controls as checked settings (AppError with a short message for anything out of range)."""
+    return studio.check_settings(GenerationSettings(prompt=prompt if prompt is not None else "",
+                                                    max_new_tokens=max_new_tokens, temperature=temperature,
+                                                    top_p=top_p, seed=seed))
 
 
+@guarded
 def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
              session: Session, control: RunControl | None = None):
     """Stream the original continuation and, when the session has interventions, the intervened one beside it
@@ -132,7 +171,7 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     run = control.start() if control is not None else None
     stopped = False
     try:
-        settings = _settings(prompt, max_new_tokens, temperature, top_p, seed)
+        settings = _settings(studio, prompt, max_new_tokens, temperature, top_p, seed)
         interventions = session.interventions()
         reuse = session.original is not None and session.original.finished and \
             session.original.settings == settings
@@ -187,6 +226,7 @@ def _intervened_column(session: Session | None) -> str:
     return f"**With: {html.escape(applied)}** (same seed)" if applied else INTERVENED_TITLE
 
 
+@guarded
 def request_stop(control: RunControl) -> None:
     """Stop: the running generation of this session ends after its current token (it writes the last update)."""
     control.stop()
@@ -204,6 +244,8 @@ def _generation_status(studio: Studio, current: dict, diff=None, done: bool = Fa
             parts.append(f"⏹ Stopped after {counts} token(s); what was written stays and can be explained.")
         else:
             parts.append(f"Generated {counts} token(s)." if done else f"Generating… {counts} token(s) so far.")
+    if not done and not stopped:  # while streaming the status is short: each update resends it whole
+        return "  \n".join(parts)
     if current["intervened"] is None:
         parts.append("Click a token to see why the model wrote it. Suppress or scale prototypes on the right, then "
                      "generate again to compare.")
@@ -222,16 +264,19 @@ def _generation_status(studio: Studio, current: dict, diff=None, done: bool = Fa
     return "  \n".join(parts)
 
 
+@guarded
 def select_original(evt: gr.SelectData):
     """A click on a token of the original text -> (run, index) for decompose."""
     return "original", int(evt.index)
 
 
+@guarded
 def select_intervened(evt: gr.SelectData):
     """A click on a token of the intervened text -> (run, index) for decompose."""
     return "intervened", int(evt.index)
 
 
+@guarded
 def decompose(studio: Studio, run: str, index: float, session: Session):
     """The decomposition of one generated token: waterfall, alternatives, summary, active prototypes, the top
     prototype's id (to open its card), session and the data as JSON."""
@@ -242,7 +287,7 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
         if gen is None:
             raise AppError("generate first" if run == "original" else
                            "there is no intervened text: add an intervention and generate again")
-        view = studio.token_view(gen, int(index))
+        view = studio.token_view(gen, index)
         why = None
         if run == "intervened" and session.original is not None:
             why = studio.why_changed(session.original, gen, view.index)
@@ -259,6 +304,7 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
             rows, top, session, data)
 
 
+@guarded
 def clear_explanation():
     """A new generation empties the explanation panel: it described a token of the previous text. Returns the
     panel's outputs (plots, summary, rows, data, training-data panel and its data) and the status line. It runs
@@ -268,6 +314,13 @@ def clear_explanation():
             "Generating…")
 
 
+@guarded
+def attribute(studio: Studio, run: str, index, session: Session):
+    """The training-data panel for one generated token (app/attribution.py): (html, data)."""
+    return attribution_panel(studio, run, index, session)
+
+
+@guarded
 def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session):
     """The training-data panel follows the explained token; with no token explained it is empty."""
     if not token:
@@ -308,6 +361,7 @@ def _token_summary(view: TokenView, why) -> str:
 # Handlers: prototype cards, search, the map.
 
 
+@guarded
 def prototype(studio: Studio, prototype_id: float | str | None):
     """A prototype's card: (markdown, signature plot, histogram plot, evidence html, card json)."""
     try:
@@ -363,6 +417,7 @@ def _score(x) -> float | None:
     return None if x is None else round(float(x), 3)
 
 
+@guarded
 def search(studio: Studio, text: str, mode: str, category: str, order: str):
     """The browser table: all prototypes (empty search) or label / semantic search results, filtered by
     category and sorted (relevance by default). A semantic match is a label with cosine similarity >= SEMANTIC_MIN;
@@ -399,6 +454,7 @@ def search(studio: Studio, text: str, mode: str, category: str, order: str):
         return [], _problem(err)
 
 
+@guarded
 def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = None, category: str | None = None):
     """The map: the search results in the table ringed (when there is a search), the open card's prototype
     starred, other categories greyed out when the filter names one."""
@@ -414,6 +470,7 @@ def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = Non
         return plots.empty_figure(str(err))
 
 
+@guarded
 def deep_link(request: gr.Request):
     """?prototype=ID opens that prototype's card and the browser tab."""
     raw = request.query_params.get("prototype") if request is not None else None
@@ -429,8 +486,11 @@ def deep_link(request: gr.Request):
 # Handlers: interventions (each returns session, the list, status).
 
 
-def _intervened(session: Session, make) -> tuple:
+def _intervened(studio: Studio, session: Session, make) -> tuple:
     try:
+        if session.n_rows >= studio.limits.max_interventions:
+            raise AppError(f"this app takes at most {studio.limits.max_interventions} interventions at once: remove "
+                           "some (or suppress a category or a search result as one row)")
         session = session.add(make())
     except (AppError, ValueError) as err:
         return session, _interventions_table(session), _problem(err)
@@ -438,40 +498,47 @@ def _intervened(session: Session, make) -> tuple:
                                                           "compare.")
 
 
+@guarded
 def suppress(studio: Studio, prototype_id, session: Session):
-    return _intervened(session, lambda: suppress_item(studio.check_prototype(prototype_id),
-                                                      studio.label(studio.check_prototype(prototype_id))[0]))
+    return _intervened(studio, session, lambda: suppress_item(studio.check_prototype(prototype_id),
+                                                              studio.label(studio.check_prototype(prototype_id))[0]))
 
 
+@guarded
 def scale(studio: Studio, prototype_id, factor: float, session: Session):
     def make():
         pid = studio.check_prototype(prototype_id)
-        return scale_item(pid, float(factor), studio.label(pid)[0])
+        return scale_item(pid, limits.number("the scale factor", factor, 0, MAX_SCALE), studio.label(pid)[0])
 
-    return _intervened(session, make)
+    return _intervened(studio, session, make)
 
 
+@guarded
 def suppress_category(studio: Studio, category: str, session: Session):
-    return _intervened(session, lambda: group_item("category", str(category), studio.category_ids(str(category))))
+    return _intervened(studio, session,
+                       lambda: group_item("category", str(category), studio.category_ids(str(category))))
 
 
+@guarded
 def suppress_search(studio: Studio, text: str, mode: str, session: Session):
     def make():
         kind = "semantic" if mode == "semantic" else "label"
         ids = [r["prototype_id"] for r in studio.search(text, kind, k=10 if kind == "semantic" else 10_000)]
         return group_item("search", f"{kind} {text.strip()[:60]!r}", ids)
 
-    return _intervened(session, make)
+    return _intervened(studio, session, make)
 
 
+@guarded
 def apply_preset(studio: Studio, name: str, session: Session):
     def make():
         title, ids = studio.preset_ids(name)
         return group_item("preset", title, ids)
 
-    return _intervened(session, make)
+    return _intervened(studio, session, make)
 
 
+@guarded
 def suppress_mode(mode: str, session: Session):
     """How this session's suppressions act: 'reroute' (the nearest other prototypes take the slots) or 'zero'
     (the slices are removed). Returns (session, the list, status)."""
@@ -483,31 +550,37 @@ def suppress_mode(mode: str, session: Session):
         f"suppressions now {SUPPRESS_MODE_NAMES[session.suppress_mode]}. Generate again to compare.")
 
 
+@guarded
 def remove_intervention(index, session: Session):
     try:
-        session = session.remove(int(index))
-    except (TypeError, ValueError) as err:
+        session = session.remove(limits.whole("the row number", index, 0, max(session.n_rows - 1, 0)))
+    except (AppError, ValueError) as err:
         return session, _interventions_table(session), _problem(err)
     return session, _interventions_table(session), _ok("removed")
 
 
+@guarded
 def clear_interventions(session: Session):
     return session.clear(), [], _ok("all interventions removed")
 
 
+@guarded
 def list_interventions(session: Session):
     return _interventions_table(session), session.interventions().__repr__()
 
 
+@guarded
 def controller(studio: Studio, path: str, upload, enabled: bool, session: Session, shipped: str | None = None):
     """Load a fitted prototype controller (a shipped one by name, a server path or an upload) into this session,
     switch it on or off for the intervened text, and list the prototypes it raises and lowers most. Returns
     (session, rows, status, description)."""
     try:
         loaded, name = session.controller, session.controller_name
-        if upload or (path or "").strip():
-            loaded = app_controllers.load(studio, upload or path.strip())
-            name = app_controllers.shipped_name(upload or path.strip())
+        if upload:
+            loaded, name = app_controllers.load(studio, upload, upload=True), None
+        elif (path or "").strip():
+            loaded = app_controllers.load(studio, path.strip())
+            name = app_controllers.shipped_name(path.strip())
         elif shipped:
             loaded, name = app_controllers.load_shipped(studio, shipped), str(shipped)
         if loaded is None:
@@ -521,6 +594,7 @@ def controller(studio: Studio, path: str, upload, enabled: bool, session: Sessio
     return session, app_controllers.table_rows(view), _ok(f"controller {view['name']} {state}"), view
 
 
+@guarded
 def pick_controller_row(evt: gr.SelectData):
     """A click on a row of the controller table -> its prototype id (to open the card)."""
     return evt.row_value[1]
@@ -538,11 +612,12 @@ def _base_url(request: gr.Request | None) -> str:
     return f"{scheme.split(',')[0].strip()}://{host.split(',')[0].strip()}/"
 
 
+@guarded
 def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
                run: str, token: dict | None, session: Session, request: gr.Request = None):
     """A URL restoring the prompt, settings, seed, interventions and the explained token. Returns (url, status)."""
     try:
-        settings = _settings(prompt, max_new_tokens, temperature, top_p, seed)
+        settings = _settings(studio, prompt, max_new_tokens, temperature, top_p, seed)
         studio.encode_prompt(settings)  # the same checks as Generate: a link always restores something usable
         selected = (run, int(token["index"])) if token and run in RUNS else None
         url = f"{_base_url(request)}?{share.PARAM}={share.encode_link(studio, settings, session, selected)}"
@@ -554,6 +629,7 @@ def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: 
                     + (" and the explained token" if selected else "") + " and generates again." + "".join(notes))
 
 
+@guarded
 def restore_link(studio: Studio, session: Session, request: gr.Request = None):
     """On page load with ?state=...: fill the settings and interventions from the link (or say why it cannot be
     used, and apply nothing). Returns (prompt, max new, temperature, top-p, seed, session, interventions rows,
@@ -574,6 +650,7 @@ def restore_link(studio: Studio, session: Session, request: gr.Request = None):
             "Restoring a shared link: generating…")
 
 
+@guarded
 def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_tokens, temperature, top_p, seed,
                      session: Session):
     """Generate after a restored link; nothing (skips) otherwise."""
@@ -583,6 +660,7 @@ def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_token
     yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session)
 
 
+@guarded
 def select_pending(studio: Studio, pending: dict | None, session: Session):
     """Explain the token a restored link selected, and open its top prototype's card; nothing otherwise. Returns
     (run, index, the decompose outputs, the card outputs)."""
@@ -608,26 +686,31 @@ def _shown_if_set(value):
     return gr.update(visible=bool(value))
 
 
+@guarded
 def export_generation(studio: Studio, session: Session):
     """Both texts with every token's decomposition, as JSON. Returns (file, status)."""
     return _export(export.export_generation, studio, session)
 
 
+@guarded
 def export_interventions(studio: Studio, session: Session):
     """The interventions as JSON (Import reads it back). Returns (file, status)."""
     return _export(export.export_interventions, studio, session)
 
 
+@guarded
 def export_table(studio: Studio):
     """Every prototype with its label, category, scores and stats, as CSV. Returns (file, status)."""
     return _export(export.export_table, studio)
 
 
+@guarded
 def export_evidence(studio: Studio, prototype_id):
     """One prototype's evidence rows as CSV. Returns (file, status)."""
     return _export(export.export_evidence, studio, prototype_id)
 
 
+@guarded
 def import_interventions(studio: Studio, upload, session: Session):
     """Replace the session's interventions with those of an exported file. Returns (session, rows, status, mode)."""
     try:

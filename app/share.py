@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass, replace
 
 from app import controllers as app_controllers
-from app.core import AppError, GenerationSettings, Studio
+from app.core import MAX_SEED, MAX_TEMPERATURE, AppError, GenerationSettings, Studio
 from app.session import KINDS, MAX_SCALE, InterventionItem, Session
 from prism.controllers import bank_fingerprint
 from prism.model import SUPPRESS_MODES
@@ -35,11 +35,7 @@ INTERVENTIONS_FORMAT = "prism-interventions/1"
 PARAM = "state"  # the query parameter: /?state=TOKEN
 MAX_TOKEN_CHARS = 64_000
 MAX_JSON_BYTES = 1_000_000
-MAX_PROMPT_CHARS = 20_000
-MAX_ITEMS = 200
 MAX_TARGET_CHARS = 200
-MAX_NEW_TOKENS = 256  # the page's slider
-MAX_TEMPERATURE = 2.0
 
 
 class LinkError(AppError):
@@ -94,8 +90,9 @@ def parse_interventions(studio: Studio, data, base: Session, source: str = "link
     if mode not in SUPPRESS_MODES:
         raise LinkError(f"the {source}'s suppress_mode must be one of {', '.join(SUPPRESS_MODES)}")
     raw_items = data.get("items", [])
-    if not isinstance(raw_items, list) or len(raw_items) > MAX_ITEMS:
-        raise LinkError(f"the {source}'s items must be a list of at most {MAX_ITEMS}")
+    if not isinstance(raw_items, list) or len(raw_items) > studio.limits.max_interventions:
+        raise LinkError(f"the {source}'s items must be a list of at most {studio.limits.max_interventions} (this "
+                        "app's limit on interventions)")
     n = studio.n_prototypes
     items = []
     for k, raw in enumerate(raw_items):
@@ -192,16 +189,17 @@ def decode_link(studio: Studio, token: str) -> Link:
                     "other prototypes here")
     prompt, max_new, temperature, top_p, seed = (data[k] for k in ("prompt", "max_new_tokens", "temperature",
                                                                    "top_p", "seed"))
-    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > MAX_PROMPT_CHARS:
-        raise LinkError(f"the link's prompt must be text of 1 to {MAX_PROMPT_CHARS} characters")
-    if not _int(max_new) or not 1 <= max_new <= MAX_NEW_TOKENS:
-        raise LinkError(f"the link's max_new_tokens must be a whole number in 1..{MAX_NEW_TOKENS}")
+    limits = studio.limits
+    if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > limits.max_prompt_chars:
+        raise LinkError(f"the link's prompt must be text of 1 to {limits.max_prompt_chars} characters")
+    if not _int(max_new) or not 1 <= max_new <= limits.max_new_tokens:
+        raise LinkError(f"the link's max_new_tokens must be a whole number in 1..{limits.max_new_tokens}")
     if not _number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise LinkError(f"the link's temperature must be in [0, {MAX_TEMPERATURE:g}]")
     if not _number(top_p) or not 0 < top_p <= 1:
         raise LinkError("the link's top_p must be in (0, 1]")
-    if not _int(seed) or not -(2**63) <= seed < 2**63:
-        raise LinkError("the link's seed must be a whole number")
+    if not _int(seed) or not 0 <= seed <= MAX_SEED:
+        raise LinkError(f"the link's seed must be a whole number in 0..{MAX_SEED}")
     session = parse_interventions(studio, data["interventions"], Session())
     selected = data["selected"]
     if selected is not None:

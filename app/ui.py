@@ -9,13 +9,14 @@ import html
 from functools import partial
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from app import controllers as app_controllers
 from app import handlers as h
 from app import plots
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
-from app.attribution import attribution_panel
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
+from app.limits import Limits, RequestLimiter
 from app.session import SUPPRESS_MODE_NAMES, Session
 
 CSS = """
@@ -64,8 +65,11 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         db_note += (f"\n\n⚠️ {check['documents'] - check['resolved']} of {check['documents']} evidence documents "
                     f"could not be read back from the installed corpus packages, so their snippets are hidden: "
                     f"{html.escape(check['errors'][0])}")
-    with gr.Blocks(title="PRISM studio") as demo:
-        session = gr.State(Session())
+    lim = studio.limits
+    # Uploads and the files handlers return live in Gradio's cache: swept every 10 minutes, gone after file_max_age_s.
+    with gr.Blocks(title="PRISM studio", delete_cache=(600, lim.file_max_age_s)) as demo:
+        # an idle session's texts and interventions are dropped after session_ttl_s (launch bounds their number)
+        session = gr.State(Session(), time_to_live=lim.session_ttl_s)
         gr.Markdown(INTRO + db_note)
         with gr.Row():
             with gr.Column(scale=3):
@@ -73,14 +77,16 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                     with gr.Tab("Generate", id="generate"):
                         with gr.Row():
                             prompt = gr.Textbox(label="Prompt", lines=3, scale=3, elem_id="prompt",
-                                                value="The river flows into the")
+                                                value="The river flows into the", max_length=lim.max_prompt_chars,
+                                                info=f"at most {lim.max_prompt_tokens} tokens")
                             with gr.Column(scale=2):
-                                max_new = gr.Slider(1, 256, value=24, step=1, label="Max new tokens",
+                                max_new = gr.Slider(1, lim.max_new_tokens, value=min(24, lim.max_new_tokens), step=1,
+                                                    label="Max new tokens",
                                                     elem_id="max-new")
                                 temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)",
                                                         elem_id="temperature")
                                 top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p")
-                                seed = gr.Number(value=0, precision=0, label="Seed", elem_id="seed")
+                                seed = gr.Number(value=0, step=1, label="Seed", elem_id="seed")
                         with gr.Row():
                             generate_btn = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
@@ -109,7 +115,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                                               visible=False)
                         with gr.Row():
                             run = gr.Radio(list(h.RUNS), value="original", label="Text", scale=1)
-                            index = gr.Number(value=0, precision=0, label="Token index", scale=1)
+                            index = gr.Number(value=0, step=1, label="Token index", scale=1)
                             decompose_btn = gr.Button("Explain token", scale=1, elem_id="explain")
                         token_md = gr.Markdown(elem_id="token-summary")
                         waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
@@ -147,7 +153,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
             with gr.Column(scale=2):
                 gr.Markdown("### Prototype")
                 with gr.Row():
-                    proto_id = gr.Number(label="Prototype id", precision=0, elem_id="proto-id", scale=2)
+                    proto_id = gr.Number(label="Prototype id", step=1, elem_id="proto-id", scale=2)
                     open_btn = gr.Button("Open card", scale=1, elem_id="open-card")
                 with gr.Row():
                     suppress_btn = gr.Button("Suppress", variant="stop", elem_id="suppress")
@@ -172,7 +178,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                     info="re-route: the nearest other prototypes take its slot and the text stays fluent; remove "
                          "the slice: its share of the state is simply missing (exact subtraction)")
                 with gr.Row():
-                    remove_index = gr.Number(value=0, precision=0, label="#", scale=1)
+                    remove_index = gr.Number(value=0, step=1, label="#", scale=1)
                     remove_btn = gr.Button("Remove", scale=1)
                     clear_btn = gr.Button("Clear all", scale=1)
                 presets = studio.presets()
@@ -198,7 +204,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                                               label="Shipped controller", elem_id="ctl-shipped",
                                               info=None if shipped else "none shipped for this model")
                     ctl_path = gr.Textbox(label="or a controller file on the server (.safetensors)",
-                                          elem_id="ctl-path")
+                                          elem_id="ctl-path", visible=lim.server_paths)
                     ctl_upload = gr.File(label="or upload one", file_types=[".safetensors"], type="filepath",
                                          elem_id="ctl-upload")
                     ctl_on = gr.Checkbox(value=True, label="Use it for the intervened text", elem_id="ctl-on")
@@ -210,21 +216,23 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
 
         card_outputs = [card_md, signature, histogram, evidence, card_json]
         iv_outputs = [session, iv_table, iv_status]
-        control = gr.State(h.RunControl())
+        control = gr.State(h.RunControl(), time_to_live=lim.session_ttl_s)
+        # Everything that runs the model (generation, a token's decomposition, training data, exports, a restored
+        # link), named or hidden, shares one concurrency group: at most `concurrency` at once, whoever calls.
+        model = {"concurrency_limit": concurrency, "concurrency_id": "model"}
         generate_btn.click(
             h.clear_explanation, None, [waterfall, alternatives, token_md, active, token_json, attribution_html,
                                       attribution_json, gen_status], api_name=False, queue=False).then(
             partial(h.generate, studio), [prompt, max_new, temperature, top_p, seed, session, control],
-            [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate",
-            concurrency_limit=concurrency, concurrency_id="model")
+            [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate", **model)
         stop_btn.click(h.request_stop, [control], None, api_name=False, queue=False)
         token_outputs = [waterfall, alternatives, token_md, active, proto_id, session, token_json]
         decompose_btn.click(partial(h.decompose, studio), [run, index, session], token_outputs, api_name="decompose",
-                            concurrency_limit=concurrency, concurrency_id="model").then(
+                            **model).then(
             partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
         for select, component in ((h.select_original, original), (h.select_intervened, intervened)):
             component.select(select, None, [run, index], api_name=False).then(
-                partial(h.decompose, studio), [run, index, session], token_outputs, api_name=False).then(
+                partial(h.decompose, studio), [run, index, session], token_outputs, api_name=False, **model).then(
                 partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
         open_btn.click(partial(h.prototype, studio), [proto_id], card_outputs, api_name="prototype")
 
@@ -257,17 +265,17 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         iv_refresh = gr.Button(visible=False)
         iv_refresh.click(h.list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
         ctl_btn.click(partial(h.controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
-                      [session, ctl_table, ctl_status, ctl_json], api_name="controller").then(
+                      [session, ctl_table, ctl_status, ctl_json], api_name="controller", **model).then(
             h.list_interventions, [session], [iv_table, iv_repr], api_name=False)
         ctl_table.select(h.pick_controller_row, None, [proto_id], api_name=False).then(
             partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
 
         # Training data behind the selected token: on request, and whenever a token's decomposition arrives.
         attribution_outputs = [attribution_html, attribution_json]
-        attribute_btn.click(partial(attribution_panel, studio), [run, index, session], attribution_outputs,
-                            api_name="attribute", concurrency_limit=concurrency, concurrency_id="model")
+        attribute_btn.click(partial(h.attribute, studio), [run, index, session], attribution_outputs,
+                            api_name="attribute", **model)
         token_json.change(partial(h.refresh_attribution, studio), [token_json, run, index, session],
-                          attribution_outputs, api_name=False)
+                          attribution_outputs, api_name=False, **model)
 
         # Links, exports, imports.
         settings_inputs = [prompt, max_new, temperature, top_p, seed]
@@ -284,7 +292,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
             js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }").then(
             h._shown_if_set, [link_box], [link_box], api_name=False)
         export_gen_btn.click(partial(h.export_generation, studio), [session], [export_file, share_status],
-                             api_name="export_generation", concurrency_limit=concurrency, concurrency_id="model").then(
+                             api_name="export_generation", **model).then(
             h._shown_if_set, [export_file], [export_file], api_name=False)
         export_iv_btn.click(partial(h.export_interventions, studio), [session], [export_file, share_status],
                             api_name="export_interventions").then(
@@ -297,14 +305,14 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         export_ev_btn.click(partial(h.export_evidence, studio), [proto_id], [evidence_file, iv_status],
                             api_name="export_evidence").then(
             h._shown_if_set, [evidence_file], [evidence_file], api_name=False)
-        pending = gr.State(None)
+        pending = gr.State(None, time_to_live=lim.session_ttl_s)
         demo.load(restore_for, [session],
                   [*settings_inputs, session, iv_table, iv_status, iv_suppress_mode, pending, gen_status],
                   api_name=False).then(
             partial(h.generate_pending, studio), [pending, *settings_inputs, session],
-            [original, intervened, gen_status, intervened_title, session, result_json], api_name=False).then(
+            [original, intervened, gen_status, intervened_title, session, result_json], api_name=False, **model).then(
             partial(h.select_pending, studio), [pending, session], [run, index, *token_outputs, *card_outputs],
-            api_name=False)
+            api_name=False, **model)
 
         demo.load(partial(h.search, studio), search_inputs, [table, search_status], api_name=False).then(
             partial(h.map_plot, studio), map_inputs, [proto_map], api_name="map")
@@ -313,10 +321,27 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     return demo
 
 
-def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, share: bool = False,
-           concurrency: int = 2, block: bool = True):
-    """Queue (at most `concurrency` events of one kind at once, 64 waiting) and serve."""
+def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, share: bool = False,
+           concurrency: int = 2, block: bool = True, limits: Limits | None = None):
+    """Queue (at most `concurrency` model events at once, 64 waiting), limit each session's requests (RequestLimiter
+    in front of the queue), bound uploads and kept sessions, and serve. host None: GRADIO_SERVER_NAME when it is
+    set, else 127.0.0.1. Errors reach users only as the handlers' own messages (show_error=False)."""
+    limits = limits or Limits()
+
+    def pending(session_hash: str, fn_index: int | None) -> tuple[int, int, bool]:
+        """What Gradio's queue holds for a session: (its events, those in fn_index's concurrency group, whether
+        that group is the model's). Reads the queue's own bookkeeping (Gradio 6); tests/test_app_limits.py checks
+        the refusals this drives, so a Gradio that renames it fails there."""
+        queue = demo._queue
+        ids = queue.pending_event_ids_session.get(session_hash, ())
+        fn = demo.fns.get(fn_index) if fn_index is not None else None
+        group = getattr(fn, "concurrency_id", None)
+        same = sum(getattr(queue.event_ids_to_events.get(i), "concurrency_id", None) == group for i in ids)
+        return len(ids), same, group == "model"
+
     demo.queue(default_concurrency_limit=max(concurrency, 4), max_size=64)
     return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
                        css=CSS, js=MAP_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
-                       show_error=True)
+                       show_error=False, max_file_size=limits.max_upload_bytes,
+                       state_session_capacity=limits.max_sessions,
+                       app_kwargs={"middleware": [Middleware(RequestLimiter, limits=limits, pending=pending)]})

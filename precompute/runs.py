@@ -44,7 +44,10 @@ def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
         if not path.is_file():
             raise FileNotFoundError(f"no database at {path}: build one with python -m precompute build")
         try:
-            return duckdb.connect(str(path), read_only=True)
+            # Reading never needs other files: no read_text/read_csv/COPY/ATTACH outside this database, and the
+            # setting cannot be switched back on through this connection (an app serving untrusted users uses it).
+            return duckdb.connect(str(path), read_only=True,
+                                  config={"enable_external_access": False, "lock_configuration": True})
         except duckdb.Error as err:
             raise ValueError(f"{path} is not a readable DuckDB database: {err}") from err
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from test_app_support import changing_prototype, shared_assets
 
 from app import handlers, plots
 from app.core import AppError, GenerationSettings, Studio, side_by_side
+from app.limits import Limits
 from app.session import Session, group_item, scale_item, suppress_item
 from prism import Interventions
 
@@ -257,7 +258,14 @@ def test_bad_input_gets_a_message(studio):
     with pytest.raises(AppError, match="empty"):
         studio.generate(GenerationSettings("   "))
     long = " ".join(["the cat sat"] * 200)  # far beyond the tiny model's 256-token context
-    gen = studio.generate(GenerationSettings(long, max_new_tokens=10))
+    with pytest.raises(AppError, match="at most 512"):  # the app's own limit comes first
+        studio.generate(GenerationSettings(long, max_new_tokens=10))
+    default = studio.limits
+    try:
+        studio.limits = Limits(max_prompt_tokens=10_000)  # an app that allows it: the model's context truncates
+        gen = studio.generate(GenerationSettings(long, max_new_tokens=10))
+    finally:
+        studio.limits = default
     assert len(gen.prompt_ids) + 10 <= studio.model.max_length and "context" in gen.notes[0]
     assert len(gen.steps) == 10
     with pytest.raises(AppError):

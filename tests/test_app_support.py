@@ -90,11 +90,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_app(model: Path, db: Path | None, concurrency: int = 2, timeout: float = 120.0):
-    """`python app.py` in a subprocess on a free 127.0.0.1 port; yields its URL, stops it afterwards."""
+def running_app(model: Path, db: Path | None, concurrency: int = 2, timeout: float = 120.0, extra: tuple = ()):
+    """`python app.py` (with `extra` flags) in a subprocess on a free 127.0.0.1 port; yields its URL, stops it
+    afterwards."""
     port = free_port()
     argv = [sys.executable, str(ROOT / "app.py"), "--model", str(model), "--port", str(port),
-            "--concurrency", str(concurrency)]
+            "--concurrency", str(concurrency), *extra]
     if db is not None:
         argv += ["--db", str(db)]
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}

@@ -1,0 +1,277 @@
+"""What one user may cost a public app: prompt and output length, interventions, uploads, request rate, and how
+long a session's state is kept. The defaults suit a CPU Space (2 cores shared by everyone on the page); app.py
+sets them from its flags.
+
+    limits = Limits(max_prompt_tokens=512)
+    number("temperature", raw, 0, 2)          # a finite float in range, or AppError with a short message
+    launch(..., limits=limits)                # app/ui.py: the rate limit wraps the server, the rest the handlers
+
+The request limit works in front of Gradio's queue (RequestLimiter, an ASGI middleware): each browser session
+(Gradio's session hash) gets a token bucket and a cap on events waiting or running at once, so a flooding session
+is refused with HTTP 429 and a message instead of filling the queue that everyone shares. A client that invents
+a new session hash per request is not caught by this (that needs a per-address limit in the proxy in front).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from app.errors import AppError
+
+SPACE_ENV = "SPACE_ID"  # set by Hugging Face Spaces in every Space's environment
+
+
+def on_space() -> bool:
+    return bool(os.environ.get(SPACE_ENV))
+
+
+@dataclass(frozen=True)
+class Limits:
+    # A prompt's forward pass grows with its length: 512 tokens + 256 new keeps one generation near a second of
+    # CPU per token batch; the model's own context (8k) would cost minutes and ~1 GB.
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256  # the page's slider goes this far
+    max_interventions: int = 32  # rows of one session's list (a category, search or preset is one row)
+    max_upload_bytes: int = 1_000_000  # a controller file is a few KB (K floats), an interventions file less
+    file_max_age_s: int = 3600  # uploads and exports older than this are deleted (swept every 10 minutes)
+    requests_per_s: float = 3.0  # per session, sustained; one token click is about 5 events (decompose, card, ...)
+    burst: int = 60  # per session: a page load is about 8 events, a quick series of clicks a few dozen
+    max_pending: int = 8  # per session: events waiting or running at once
+    # per session: model events (generation, decomposition, training data) waiting or running at once. The page
+    # never needs more than two (a generation and a click's explanation), and the queue serves each concurrency
+    # group first come, first served, so this is what bounds another user's wait behind a flood.
+    max_pending_model: int = 2
+    session_ttl_s: int = 1800  # an idle session's state (texts, interventions) is dropped after this
+    max_sessions: int = 1000  # sessions whose state is kept at once (the oldest go first)
+    # Hidden states of a generation are kept for fast clicks while the text is short: (T, d) floats, 576 x 4 bytes
+    # per token for SmolLM2; longer texts recompute them on each click (one forward pass).
+    keep_states_tokens: int = 256
+    server_paths: bool = True  # the controller box may name a file on the server (never on a Space)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+
+    HELP = {"max_prompt_tokens": "longest prompt, in tokens", "max_new_tokens": "most tokens one generation writes",
+            "max_interventions": "rows in one session's intervention list",
+            "max_upload_bytes": "largest upload (a controller or interventions file)",
+            "file_max_age_s": "uploads and exports are deleted after this many seconds",
+            "requests_per_s": "requests one session may send per second, sustained",
+            "burst": "requests one session may send at once", "max_pending": "events of one session queued at once",
+            "max_pending_model": "model events (generate, explain, training data) of one session queued at once",
+            "session_ttl_s": "an idle session's state is dropped after this many seconds",
+            "max_sessions": "sessions whose state is kept at once",
+            "keep_states_tokens": "hidden states are kept for texts up to this many tokens (else recomputed)",
+            "server_paths": "the controller box may name a file on the server"}
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters read before tokenising: a token is rarely more than 16 characters of text."""
+        return self.max_prompt_tokens * 16
+
+    @classmethod
+    def for_space(cls, **overrides) -> Limits:
+        return cls(**{"server_paths": False, **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Numbers from the page or the API: finite, in range, or a short message.
+
+
+def number(name: str, value, low: float, high: float, default: float | None = None) -> float:
+    """value as a finite float in [low, high]; None or "" reads as `default` when one is given."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if default is None:
+            raise AppError(f"{name} is missing")
+        return float(default)
+    if isinstance(value, bool):
+        raise AppError(f"{name} must be a number, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise AppError(f"{name} must be a number, got {str(value)[:40]!r}") from None
+    if not math.isfinite(x):
+        raise AppError(f"{name} must be a finite number, got {x}")
+    if not low <= x <= high:
+        raise AppError(f"{name} must be between {low:g} and {high:g}, got {x:g}")
+    return x
+
+
+def whole(name: str, value, low: int, high: int, default: int | None = None) -> int:
+    """value as an int in [low, high] (a float must be whole)."""
+    x = number(name, value, low, high, default)
+    if x != int(x):
+        raise AppError(f"{name} must be a whole number, got {x:g}")
+    return int(x)
+
+
+def text(name: str, value, max_chars: int) -> str:
+    """value as text of at most max_chars characters that encodes as UTF-8 (no lone surrogates)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise AppError(f"{name} must be text")
+    if len(value) > max_chars:
+        raise AppError(f"{name} has {len(value):,} characters; this app takes at most {max_chars:,}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise AppError(f"{name} contains characters that are not valid text (unpaired surrogates)") from None
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The request limit in front of the queue.
+
+
+class SessionBuckets:
+    """A token bucket per key (refill `rate` per second up to `burst`), for at most `max_keys` keys (the least
+    recently seen are forgotten). Thread-safe."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int = 20_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.max_keys, self.clock = float(rate), float(burst), max_keys, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, last time)
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """Spend one token: 0.0 when allowed, else the seconds until one is available."""
+        now = self.clock()
+        with self._lock:
+            tokens, last = self._buckets.pop(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            wait = 0.0
+            if tokens >= 1:
+                tokens -= 1
+            else:
+                wait = (1 - tokens) / self.rate
+            self._buckets[key] = (tokens, now)
+            while len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+        return wait
+
+
+# Gradio's routes that start work: joining the queue, the queue-less route, the REST API and uploads.
+LIMITED_SUFFIXES = ("/queue/join", "/run/predict", "/upload")
+LIMITED_PARTS = ("/call/",)
+MAX_BODY_BYTES = 2_000_000  # a join or predict body (uploads are not read here: Gradio's max_file_size bounds them)
+
+
+class RequestLimiter:
+    """ASGI middleware: per session, at most `burst` requests at once and `requests_per_s` sustained, at most
+    `max_pending` events in the queue and `max_pending_model` of them model events; refused requests get HTTP 429
+    with a message. `pending(session_hash, fn_index)` says what Gradio holds for a session (waiting or running):
+    (all its events, those in the same concurrency group as fn_index, whether that group is the model's)."""
+
+    def __init__(self, app, limits: Limits,
+                 pending: Callable[[str, int | None], tuple[int, int, bool]] | None = None) -> None:
+        self.app = app
+        self.limits = limits
+        self.buckets = SessionBuckets(limits.requests_per_s, limits.burst)
+        self.pending = pending or (lambda _session, _fn: (0, 0, False))
+        self.refused = 0  # how many requests were refused (for the log and the tests)
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if scope.get("method") != "POST" or not (path.endswith(LIMITED_SUFFIXES)
+                                                 or any(p in path for p in LIMITED_PARTS)):
+            await self.app(scope, receive, send)
+            return
+        body, session, fn_index = b"", None, None
+        if not path.endswith("/upload"):
+            body = await _read_body(receive)
+            if body is None:
+                await _refuse(send, 413, "This request is too large.")
+                return
+            session, fn_index = _session_and_fn(body)
+        key = f"session:{session}" if session else _address(scope)
+        wait = self.buckets.take(key)
+        if wait > 0:
+            self.refused += 1
+            await _refuse(send, 429, f"Too many requests from this page: wait {math.ceil(wait)} s and try again.")
+            return
+        if session is not None:
+            total, same_group, model = self.pending(session, fn_index)
+            if total >= self.limits.max_pending or (model and same_group >= self.limits.max_pending_model):
+                self.refused += 1
+                n = self.limits.max_pending_model if model and same_group >= self.limits.max_pending_model \
+                    else self.limits.max_pending
+                await _refuse(send, 429, f"This page already has {n} requests waiting"
+                                         f"{' for the model' if n == self.limits.max_pending_model else ''}: wait "
+                                         "for them to finish.")
+                return
+        if path.endswith("/upload"):
+            await self.app(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+
+async def _read_body(receive) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """The request's body again, then the connection's own messages (a disconnect when it comes)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _session_and_fn(body: bytes) -> tuple[str | None, int | None]:
+    """The session hash and the event number a join or predict body names (None where it names none)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    session, fn_index = data.get("session_hash"), data.get("fn_index")
+    return (session if isinstance(session, str) and session else None,
+            fn_index if isinstance(fn_index, int) and not isinstance(fn_index, bool) else None)
+
+
+def _address(scope) -> str:
+    if on_space():  # behind the Space's proxy the client is the first forwarded address
+        for name, value in scope.get("headers") or []:
+            if name == b"x-forwarded-for":
+                return "address:" + value.decode("latin-1").split(",")[0].strip()
+    client = scope.get("client") or ("?", 0)
+    return f"address:{client[0]}"
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps({"detail": message, "error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
