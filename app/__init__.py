@@ -5,7 +5,9 @@ Layers (imports point one way, app -> precompute -> prism):
     app/session.py  one user's interventions and generations (a value kept in gr.State)
     app/core.py     the UI-independent logic: generation with decomposition, side-by-side diffs, cards, search
     app/plots.py    plotly figures
-    app/handlers.py one plain function per UI action (each also an HTTP endpoint)
+    app/limits.py   what one user may cost a public app, and the request limiter in front of the queue
+    app/handlers.py one plain function per UI action (each also an HTTP endpoint); app/interventions.py: the
+                    interventions panel's
     app/ui.py       the one Blocks layout wiring the handlers, and launch
 Run `python app.py --help`.
 """

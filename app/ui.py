@@ -13,6 +13,7 @@ from starlette.middleware import Middleware
 
 from app import controllers as app_controllers
 from app import handlers as h
+from app import interventions as iv
 from app import plots
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
@@ -252,22 +253,22 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
         card_json.change(partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
 
-        suppress_btn.click(partial(h.suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
-        scale_btn.click(partial(h.scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
-        category_btn.click(partial(h.suppress_category, studio), [iv_category, session], iv_outputs,
+        suppress_btn.click(partial(iv.suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
+        scale_btn.click(partial(iv.scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
+        category_btn.click(partial(iv.suppress_category, studio), [iv_category, session], iv_outputs,
                            api_name="suppress_category")
-        iv_search_btn.click(partial(h.suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
+        iv_search_btn.click(partial(iv.suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
                             api_name="suppress_search")
-        preset_btn.click(partial(h.apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
-        iv_suppress_mode.input(h.suppress_mode, [iv_suppress_mode, session], iv_outputs, api_name="suppress_mode")
-        remove_btn.click(h.remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
-        clear_btn.click(h.clear_interventions, [session], iv_outputs, api_name="clear_interventions")
+        preset_btn.click(partial(iv.apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
+        iv_suppress_mode.input(iv.suppress_mode, [iv_suppress_mode, session], iv_outputs, api_name="suppress_mode")
+        remove_btn.click(iv.remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
+        clear_btn.click(iv.clear_interventions, [session], iv_outputs, api_name="clear_interventions")
         iv_refresh = gr.Button(visible=False)
-        iv_refresh.click(h.list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
-        ctl_btn.click(partial(h.controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
+        iv_refresh.click(iv.list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
+        ctl_btn.click(partial(iv.controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
                       [session, ctl_table, ctl_status, ctl_json], api_name="controller", **model).then(
-            h.list_interventions, [session], [iv_table, iv_repr], api_name=False)
-        ctl_table.select(h.pick_controller_row, None, [proto_id], api_name=False).then(
+            iv.list_interventions, [session], [iv_table, iv_repr], api_name=False)
+        ctl_table.select(iv.pick_controller_row, None, [proto_id], api_name=False).then(
             partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
 
         # Training data behind the selected token: on request, and whenever a token's decomposition arrives.

@@ -11,7 +11,7 @@ import torch
 from test_app_support import build_tiny_controller, running_app, shared_assets
 
 from app import controllers as app_controllers
-from app import handlers
+from app import handlers, interventions
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session
 from bench.dense_controller import DenseController, make_frame
@@ -81,7 +81,7 @@ def test_bad_controller_files_get_a_message(studio, controller_file, tmp_path):
 
 def test_handler_switches_the_controller_on_for_this_session_only(studio, controller_file):
     path, controller = controller_file
-    session, rows, status, view = handlers.controller(studio, str(path), None, True, Session())
+    session, rows, status, view = interventions.controller(studio, str(path), None, True, Session())
     assert "⚠️" not in status and session.controller_on and len(rows) == 4 and view["moved"] == 4
     assert session.interventions().controller is session.controller
     settings = GenerationSettings(PROMPT, max_new_tokens=TOKENS)
@@ -94,12 +94,12 @@ def test_handler_switches_the_controller_on_for_this_session_only(studio, contro
     why = studio.why_changed(session.original, session.intervened, result["first_change"])
     assert why.effects and {e["prototype_id"] for e in why.effects} <= set(controller.moved())
     # off again: the same loaded controller, no effect on this session's interventions
-    off, _, status, _ = handlers.controller(studio, "", None, False, session)
+    off, _, status, _ = interventions.controller(studio, "", None, False, session)
     assert off.controller is session.controller and off.interventions().is_empty and "off" in status
     assert Session().interventions().is_empty  # a fresh session never sees it
-    _, rows, status, view = handlers.controller(studio, "", None, True, Session())
+    _, rows, status, view = interventions.controller(studio, "", None, True, Session())
     assert status.startswith("⚠️") and rows == [] and view is None
-    _, _, status, _ = handlers.controller(studio, "nope.txt", None, True, replace(session, controller_on=False))
+    _, _, status, _ = interventions.controller(studio, "nope.txt", None, True, replace(session, controller_on=False))
     assert status.startswith("⚠️")
 
 

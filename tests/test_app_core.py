@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_app_support import changing_prototype, shared_assets
 
-from app import handlers, plots
+from app import handlers, interventions, plots
 from app.core import AppError, GenerationSettings, Studio, side_by_side
 from app.limits import Limits
 from app.session import Session, group_item, scale_item, suppress_item
@@ -214,9 +214,9 @@ def test_session_suppress_mode_defaults_to_reroute_and_is_per_session():
     assert zero.with_suppress_mode("re-route to the nearest prototypes").suppress_mode == "reroute"
     with pytest.raises(ValueError, match="suppress mode must be one of"):
         s.with_suppress_mode("erase")
-    same, rows, status = handlers.suppress_mode("erase", s)
+    same, rows, status = interventions.suppress_mode("erase", s)
     assert same is s and status.startswith("⚠️") and len(rows) == 2
-    changed, _, status = handlers.suppress_mode("zero", s)
+    changed, _, status = interventions.suppress_mode("zero", s)
     assert changed.suppress_mode == "zero" and "remove the slice" in status and changed.items == s.items
 
 
@@ -241,16 +241,16 @@ def test_group_interventions_from_the_database(studio):
     category = studio.db.categories[0]
     ids = studio.category_ids(category)
     assert ids and all(studio.label(p)[1] == category for p in ids)
-    session, rows, status = handlers.suppress_category(studio, category, Session())
+    session, rows, status = interventions.suppress_category(studio, category, Session())
     assert session.interventions().suppress == set(ids) and "category" in rows[0][1]
     label = studio.label(ids[0])[0]
-    session, _, status = handlers.suppress_search(studio, label, "label", session)
+    session, _, status = interventions.suppress_search(studio, label, "label", session)
     assert ids[0] in session.items[-1].prototype_ids and "⚠️" not in status
-    session, _, status = handlers.suppress_search(studio, "numbers", "semantic", session)
+    session, _, status = interventions.suppress_search(studio, "numbers", "semantic", session)
     assert len(session.items) == 3 and len(session.items[-1].prototype_ids) <= 10
-    _, _, status = handlers.suppress(studio, 999, session)
+    _, _, status = interventions.suppress(studio, 999, session)
     assert "no prototype 999" in status
-    _, _, status = handlers.suppress_category(studio, "not a category", session)
+    _, _, status = interventions.suppress_category(studio, "not a category", session)
     assert status.startswith("⚠️")
 
 

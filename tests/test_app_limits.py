@@ -19,11 +19,12 @@ import torch
 from test_app_support import changing_prototype, running_app, shared_assets
 
 from app import controllers as app_controllers
-from app import export, handlers, share, ui
+from app import export, handlers, interventions, share, ui
 from app.core import AppError, GenerationSettings, Studio
 from app.limits import Limits, SessionBuckets, number, text, whole
 from app.session import Session, suppress_item
 from bench import app_load
+from prism import Interventions
 from prism.controllers import PrototypeController, bank_fingerprint, save_controller
 
 PROMPT = "the cat sat on the"
@@ -120,9 +121,9 @@ def test_interventions_per_session_are_limited(studio):
     small = Studio(studio.model, studio.tokenizer, studio.db, limits=Limits(max_interventions=3))
     session = Session()
     for pid in range(3):
-        session, rows, status = handlers.suppress(small, pid, session)
+        session, rows, status = interventions.suppress(small, pid, session)
         assert not status.startswith("⚠️")
-    same, rows, status = handlers.suppress(small, 5, session)
+    same, rows, status = interventions.suppress(small, 5, session)
     assert "at most 3 interventions" in status and same.n_rows == 3 and len(rows) == 3
     many = Session(items=tuple(suppress_item(p) for p in range(4)))  # a link or a file with more than allowed
     with pytest.raises(AppError, match="at most 3"):
@@ -133,10 +134,8 @@ def test_long_texts_drop_hidden_states_and_recompute_them_exactly(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8)
     pid = changing_prototype(studio, settings)
     lean = Studio(studio.model, studio.tokenizer, limits=Limits(keep_states_tokens=4))
-    from prism import Interventions
-
-    for interventions in (Interventions(), Interventions(suppress={pid})):
-        kept, dropped = studio.generate(settings, interventions), lean.generate(settings, interventions)
+    for applied in (Interventions(), Interventions(suppress={pid})):
+        kept, dropped = studio.generate(settings, applied), lean.generate(settings, applied)
         for i in (0, 3, 7):
             a, b = studio.token_view(kept, i), lean.token_view(dropped, i)
             assert a.chosen.total == pytest.approx(b.chosen.total, abs=1e-5)
@@ -157,11 +156,11 @@ def test_controller_files_with_runaway_factors_or_server_paths_are_refused(studi
     with pytest.raises(AppError, match="more than x10"):
         app_controllers.load(studio, runaway, upload=True)
     space = Studio(studio.model, studio.tokenizer, limits=Limits.for_space())
-    _, _, status, _ = handlers.controller(space, str(runaway), None, True, Session())
+    _, _, status, _ = interventions.controller(space, str(runaway), None, True, Session())
     assert "does not read files on the server" in status and str(tmp_path) not in status
-    _, _, status, _ = handlers.controller(studio, "/" + "a" * 5000 + ".safetensors", None, True, Session())
+    _, _, status, _ = interventions.controller(studio, "/" + "a" * 5000 + ".safetensors", None, True, Session())
     assert status.startswith("⚠️") and "File name too long" in status and len(status) < 300
-    _, _, status, _ = handlers.controller(studio, str(tmp_path / "missing.safetensors"), None, True, Session())
+    _, _, status, _ = interventions.controller(studio, str(tmp_path / "missing.safetensors"), None, True, Session())
     assert "missing.safetensors" in status and str(tmp_path) not in status  # no server folder in the message
     big = tmp_path / "big.safetensors"
     big.write_bytes(b"\0" * 2048)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_app_support import build_tiny_controller, changing_prototype, shared_assets
 
-from app import export, handlers, share
+from app import export, handlers, interventions, share
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session, group_item, scale_item, suppress_item
 
@@ -162,7 +162,7 @@ def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
 
 def test_controllers_are_listed_removable_and_kept_out_of_links_unless_shipped(studio, tmp_path):
     path, controller = build_tiny_controller(studio, tmp_path, PROMPT, 6)
-    session, *_ = handlers.controller(studio, str(path), None, True, Session().add(suppress_item(2)))
+    session, *_ = interventions.controller(studio, str(path), None, True, Session().add(suppress_item(2)))
     rows = session.rows()
     assert len(rows) == 2 and rows[1][0] == 1 and rows[1][1].startswith("controller ") and "on" in rows[1][1]
     assert "controller" in session.applied() and "1 suppressed" in session.applied()

@@ -286,18 +286,18 @@ def test_judge_perplexity_matches_the_judges_own_loss(tiny):
 
 
 def test_app_applies_a_preset_to_this_session_only(tiny):
-    from app import handlers
+    from app import interventions
     from app.core import Studio
     from app.session import Session
 
     studio = Studio.load(tiny["model"], tiny["db"])
     assert [p["name"] for p in studio.presets()] == ["kjv-register"] and studio.presets()[0]["n"] == 3
     title = presets.PRESETS["kjv-register"].title
-    mine, table, status = handlers.apply_preset(studio, title, Session())
+    mine, table, status = interventions.apply_preset(studio, title, Session())
     assert mine.interventions().suppress == frozenset({0, 1, 2}) and "3 prototype" in status
-    same, _, _ = handlers.apply_preset(studio, "kjv-register", Session())  # by name too
+    same, _, _ = interventions.apply_preset(studio, "kjv-register", Session())  # by name too
     assert same.interventions() == mine.interventions()
     other = Session()
     assert other.interventions().is_empty  # another user's session is untouched
-    unchanged, _, status = handlers.apply_preset(studio, "' OR 1=1 --", mine)
+    unchanged, _, status = interventions.apply_preset(studio, "' OR 1=1 --", mine)
     assert unchanged is mine and "no preset" in status
