@@ -18,6 +18,7 @@ a token of that generation is selected and kept with the generation (bench/app_l
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -263,13 +264,12 @@ class Studio:
             prototype_id = prototype_id.strip()
             if not prototype_id.lstrip("-").isdigit():
                 raise AppError(f"a prototype id is a whole number, got {prototype_id[:40]!r}")
-        try:
-            pid = limits.whole("a prototype id", prototype_id, -2**63, 2**63)
-        except AppError as err:
-            raise AppError(f"{err} (a prototype id is a whole number)") from None
-        if not 0 <= pid < self.n_prototypes:
-            raise AppError(f"no prototype {pid}: this model has prototypes 0..{self.n_prototypes - 1}")
-        return pid
+        x = limits.number("a prototype id", prototype_id, -math.inf, math.inf)
+        if x != int(x):
+            raise AppError(f"a prototype id is a whole number, got {x:g}")
+        if not 0 <= x < self.n_prototypes:
+            raise AppError(f"no prototype {x:.0f}: this model has prototypes 0..{self.n_prototypes - 1}")
+        return int(x)
 
     # -- generation -------------------------------------------------------------------------------------------
 

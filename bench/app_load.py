@@ -12,6 +12,7 @@ line per measurement. tests/test_app_limits.py runs the same probes against a ti
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -82,8 +83,13 @@ class RawClient:
                 "seconds": time.perf_counter() - start}
 
 
+_SEEDS = itertools.count(1)
+
+
 def generate_args(prompt: str = PROMPT, tokens: int = 8) -> list:
-    return [prompt, tokens, 0, 1, 0, None, None]  # prompt, max new, temperature, top-p, seed, session, stop
+    """prompt, max new, temperature, top-p, seed, session, stop. Greedy, but a new seed each time: a session
+    reuses its last original text when the settings repeat, and that would measure nothing."""
+    return [prompt, tokens, 0, 1, next(_SEEDS), None, None]
 
 
 def stream_bytes(url: str, tokens: int, preset: str | None = None) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import duckdb
 import gradio as gr
+import httpx
 import pytest
 import torch
 from test_app_support import changing_prototype, running_app, shared_assets
@@ -256,6 +257,11 @@ def test_a_running_app_holds_floods_long_prompts_hidden_events_and_bad_inputs(as
 
         hidden = app_load.hidden_events(url)
         assert hidden["called_by_number_ok"] and hidden["refused"] + hidden["accepted"] == hidden["sent_at_once"]
+
+        too_big = httpx.post(f"{url}/gradio_api/upload", files={"files": ("c.safetensors", b"\0" * 1_100_000)})
+        assert too_big.status_code == 413 and "maximum allowed size" in too_big.text  # the 1 MB upload limit
+        small = httpx.post(f"{url}/gradio_api/upload", files={"files": ("c.json", b"{}")})
+        assert small.status_code == 200
 
         bad = app_load.bad_inputs(url)
         assert bad["raw_answers"] == [] and bad["server_answers_after"]
