@@ -47,7 +47,7 @@ def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) 
                        f"{studio.n_prototypes}: rebuild it for this model")
     index, position = studio.token_position(gen, index)
     token = gen.steps[index].token_id
-    z = studio.final_states(gen)[position]  # (d,)
+    z = studio.state(gen, index)  # (d,)
     ids, rows = query_gradient(studio.model, None, position, token, z=z)
     if len(ids) == 0:
         return {"index": index, "position": position, "token_id": token, "token": studio.tokenizer.decode([token]),

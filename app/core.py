@@ -76,6 +76,9 @@ class Step:
     activations: list[float]
     logit: float  # the logit of the token in the distribution it was chosen from
     rerouted_ids: list[int] = field(default_factory=list)  # prototypes that re-routing brought in at this token
+    # (d,) z at the position that chose the token, from the generation's own forward (kept for the first
+    # limits.keep_states_tokens tokens): a click decomposes it without running the model again
+    state: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -343,9 +346,11 @@ class Studio:
             keep = acts > 0
             pids, acts = pids[keep], acts[keep]
             order = acts.argsort(descending=True)
+            kept = step.state is not None and len(gen.steps) < self.limits.keep_states_tokens
             gen.steps.append(Step(token_id=token, text=self.tokenizer.decode([token]),
                                   prototype_ids=pids[order].tolist(), activations=acts[order].tolist(),
-                                  logit=float(step.logits[0, token]), rerouted_ids=rerouted))
+                                  logit=float(step.logits[0, token]), rerouted_ids=rerouted,
+                                  state=step.state[0].clone() if kept else None))
             if len(gen.steps) == max_new:
                 gen.finished = True
             yield gen
@@ -374,6 +379,14 @@ class Studio:
             gen.z = z[0]
         return z[0]
 
+    def state(self, gen: Generation, index: int) -> torch.Tensor:
+        """z (d,) at the position that chose generated token `index`: the state the generation itself computed
+        when it was kept, else from one forward pass over the text (final_states). The same value up to float
+        rounding (a cached forward vs a full one), so the slices still add up to the logit shown."""
+        index, position = self.token_position(gen, index)
+        state = gen.steps[index].state
+        return state if state is not None else self.final_states(gen)[position]
+
     def token_position(self, gen: Generation, index) -> tuple[int, int]:
         """(generated-token index, the sequence position whose logits chose it); AppError for a bad index."""
         index = limits.whole("the token index", index, -2**31, 2**31)
@@ -385,7 +398,7 @@ class Studio:
     def token_view(self, gen: Generation, index: int, n_alternatives: int = 5) -> TokenView:
         """Decomposition of generated token `index` and of the top alternatives at its position."""
         index, position = self.token_position(gen, index)
-        z = self.final_states(gen)[position][None, None]  # (1, 1, d)
+        z = self.state(gen, index)[None, None]  # (1, 1, d)
         out = self.model.head(z, gen.interventions)
         logits = out.logits[0, 0]  # (V,)
         chosen = gen.steps[index].token_id
@@ -421,7 +434,7 @@ class Studio:
         index, position = self.token_position(intervened, index)
         diff = side_by_side(original, intervened)
         new = intervened.steps[index].token_id
-        z = self.final_states(intervened)[position][None, None]  # (1, 1, d)
+        z = self.state(intervened, index)[None, None]  # (1, 1, d)
         plain = self.model.head(z)
         if diff.first_change is None or index < diff.first_change:
             return WhyChanged(index, self.tokenizer.decode([new]), None,

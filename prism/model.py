@@ -248,6 +248,7 @@ class GenerationStep:
     logits: torch.Tensor  # (B, V), intervened logits the token was chosen from
     used_prototype_ids: torch.Tensor | None = None  # (B, k'), what the logits used; None without interventions
     used_activations: torch.Tensor | None = None  # (B, k')
+    state: torch.Tensor | None = None  # (B, d) z at the position that chose the token (decompose it without a pass)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -743,7 +744,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                 (out.used_prototype_ids[:, -1], out.used_activations[:, -1])
             yield GenerationStep(step=step, token_ids=next_ids, prototype_ids=out.prototype_ids[:, -1],
                                  activations=out.activations[:, -1], logits=logits, used_prototype_ids=used[0],
-                                 used_activations=used[1])
+                                 used_activations=used[1], state=out.z[:, -1])
             if eos_token_id is not None and bool(finished.all()):
                 return
             step_ids = next_ids[:, None]
