@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
-import sys
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # never phone home
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from prism import cli
+
+    parser = cli.parser("python app.py", __doc__)
     parser.add_argument("--model", default=None, help="a PRISM model folder (default: the shipped assets/model)")
     parser.add_argument("--db", default=None, help="its precompute DuckDB file (default: the shipped assets/*.duckdb "
                                                    "when the default model is used)")
@@ -57,25 +56,21 @@ def limits_from(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from app.assets import MissingModel, resolve_db, resolve_model
+    from prism import cli
 
-    try:
-        model = resolve_model(args.model)
-    except MissingModel as err:
-        sys.exit(f"app.py: {err}")
+    parser = build_parser()
+    args = cli.parse(parser, argv)
+    from app.assets import MissingModel, resolve_db, resolve_model
     from app.core import Studio
     from app.ui import build_demo, launch
 
-    try:
+    with cli.expected_errors(parser, MissingModel, ValueError):
+        model = resolve_model(args.model)
         limits = limits_from(args)
-    except ValueError as err:
-        sys.exit(f"app.py: {err}")
     try:
         studio = Studio.load(model, resolve_db(args.db, model_given=args.model is not None), limits=limits)
     except (OSError, ValueError) as err:
-        sys.exit(f"app.py: cannot load the model at {model}: {err}")
+        cli.fail(parser, f"cannot load the model at {model}: {err}")
     launch(build_demo(studio, args.concurrency), host=args.host, port=args.port, share=args.share,
            concurrency=args.concurrency, limits=limits)
 

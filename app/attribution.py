@@ -1,5 +1,5 @@
 """The "training data behind this token" panel: the training sequences that most lowered a generated token's loss,
-served from the attribution cache of the precompute database (precompute/attribution.py, prism/attribution.py).
+served from the attribution cache of the precompute database (precompute/attribution/, prism/attribution.py).
 
     data = attribute_token(studio, gen, index=3, top=10)     # {"token", "sequences": [...], ...}; AppError if no cache
     html_text, data = attribution_panel(studio, "original", 3, session)   # the Gradio handler (api_name "attribute")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import duckdb
 import torch
 
 from app import limits
+from app.database import UNLABELLED, Database
 from app.errors import AppError
 from app.limits import Limits
 from precompute import query
@@ -38,7 +38,6 @@ from prism.model import changed_selection
 
 logger = logging.getLogger(__name__)
 
-UNLABELLED = "unlabelled"
 NO_PROTOTYPE = "no prototype active"  # a token's colour when no prototype fired for it (not a category)
 NEVER_ACTIVE = "never active"  # a browser filter: prototypes with no activation in the corpus (dead)
 MAX_QUERY_CHARS = 200
@@ -175,39 +174,6 @@ class WhyChanged:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The shared database: one read-only connection, a cursor per call (DuckDB connections are not thread-safe).
-
-
-class Database:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._con = query.open_db(self.path)  # FileNotFoundError / ValueError with a clear message
-        self._lock = threading.Lock()
-        self.labels: dict[int, tuple[str, str]] = {
-            int(r["prototype_id"]): (r["label"] or "", r["category"] or UNLABELLED)
-            for r in self.run(query.prototype_table)}
-        self.categories = [r["category"] for r in self.run(query.categories)]
-        self.has_embeddings = self.run(lambda c: c.execute("SELECT count(*) FROM embeddings").fetchone()[0]) > 0
-        # Pointer-only databases (the shipped one) hold no corpus text: read it back now and check the hashes.
-        self.text_check = self.run(query.check_documents)
-        if self.text_check["errors"]:
-            logger.warning("%d of %d documents could not be read back from the installed corpus: %s",
-                           self.text_check["documents"] - self.text_check["resolved"],
-                           self.text_check["documents"], self.text_check["errors"][0])
-
-    def run(self, fn, *args, **kwargs):
-        with self._lock:
-            cursor = self._con.cursor()
-        try:
-            return fn(cursor, *args, **kwargs)
-        finally:
-            cursor.close()
-
-    def close(self) -> None:
-        self._con.close()
 
 
 def _clean_query(text: str) -> str:

@@ -16,9 +16,7 @@ the app keeps running.
 
 from __future__ import annotations
 
-import functools
 import html
-import inspect
 import json
 import logging
 from dataclasses import replace
@@ -39,6 +37,7 @@ from app.core import (
     rerouted_summary,
     side_by_side,
 )
+from app.messages import guarded, ok, problem
 from app.session import Session
 
 logger = logging.getLogger(__name__)
@@ -55,49 +54,6 @@ SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the 
 ACTIVE_HEADERS = ["id", "label", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
 CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
-
-
-def guarded(fn):
-    """A handler that never shows a raw exception: an AppError that escapes becomes its message, anything else is
-    logged with its traceback and the user reads one line (Gradio shows a gr.Error's message, nothing else, since
-    the app launches with show_error=False). Generators stay generators, and the signature (gr.Request,
-    gr.SelectData) is the handler's own, so Gradio fills in what it asks for."""
-
-    def fail(err: Exception) -> gr.Error:
-        if isinstance(err, AppError):
-            return gr.Error(str(err)[:300])
-        logger.exception("%s failed", fn.__name__)
-        return gr.Error(f"Something went wrong on the server in {fn.__name__} (it is logged); nothing was changed. "
-                        "Try other input or reload the page.")
-
-    if inspect.isgeneratorfunction(fn):
-        @functools.wraps(fn)
-        def wrapped_generator(*args, **kwargs):
-            try:
-                yield from fn(*args, **kwargs)
-            except gr.Error:
-                raise
-            except Exception as err:  # noqa: BLE001 - the point: nothing raw reaches the user
-                raise fail(err) from None
-        return wrapped_generator
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except gr.Error:
-            raise
-        except Exception as err:  # noqa: BLE001
-            raise fail(err) from None
-    return wrapped
-
-
-def _ok(message: str) -> str:
-    return message
-
-
-def _problem(err: Exception) -> str:
-    return f"⚠️ {err}"
 
 
 def _highlights(studio: Studio, gen: Generation | None, diff_status: list[str] | None = None) -> list:
@@ -126,10 +82,6 @@ def _generation_json(gen: Generation | None) -> dict | None:
                         "prototype_ids": s.prototype_ids, "activations": s.activations,
                         "rerouted_ids": s.rerouted_ids}
                        for i, s in enumerate(gen.steps)]}
-
-
-def _interventions_table(session: Session) -> list[list]:
-    return session.rows()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -201,7 +153,7 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
             yield (_highlights(studio, current["original"]), _highlights(studio, current["intervened"]), status,
                    column, session, None)
     except AppError as err:
-        yield [], [], _problem(err), INTERVENED_TITLE, session, None
+        yield [], [], problem(err), INTERVENED_TITLE, session, None
         return
     original, intervened = current["original"], current["intervened"]
     if original is None and not stopped:  # nothing streamed: the stored original is reused, no interventions
@@ -295,7 +247,7 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
             why = studio.why_changed(session.original, gen, view.index)
     except AppError as err:
         empty = plots.empty_figure(str(err))
-        return empty, empty, _problem(err), [], None, session, None
+        return empty, empty, problem(err), [], None, session, None
     session = replace(session, selected=(run, view.index))
     rows = [[s.prototype_id, s.label, s.category, round(s.activation, 4), round(s.contribution, 4)]
             for s in view.chosen.slices]
@@ -373,7 +325,7 @@ def prototype(studio: Studio, prototype_id: float | str | None):
         card = studio.card(prototype_id)
     except AppError as err:
         empty = plots.empty_figure("no card")
-        return _problem(err), empty, empty, "", None
+        return problem(err), empty, empty, "", None
     md = (f"### #{card['prototype_id']} {html.escape(card['label'] or '(no label)')}\n"
           f"**{html.escape(card['category'] or 'unlabelled')}** · label score {_shown_score(card['label_score'])}"
           f" · sibling score {_shown_score(card.get('sibling_score'))} · active on "
@@ -453,7 +405,7 @@ def search(studio: Studio, text: str, mode: str, category: str, order: str):
                 _score(r.get("sibling_score")), r.get("activation_count"), _score(r["similarity"])] for r in rows]
         return out, f"{found}, sorted by {order}"
     except AppError as err:
-        return [], _problem(err)
+        return [], problem(err)
 
 
 @guarded
@@ -506,10 +458,10 @@ def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: 
         selected = (run, int(token["index"])) if token and run in RUNS else None
         url = f"{_base_url(request)}?{share.PARAM}={share.encode_link(studio, settings, session, selected)}"
     except (AppError, TypeError, ValueError) as err:
-        return "", _problem(err)
+        return "", problem(err)
     notes = [] if session.controller is None or session.controller_name else [
         " The loaded controller is not a shipped one, so the link leaves it out."]
-    return url, _ok("Link copied (also shown here): opening it restores the prompt, settings, interventions"
+    return url, ok("Link copied (also shown here): opening it restores the prompt, settings, interventions"
                     + (" and the explained token" if selected else "") + " and generates again." + "".join(notes))
 
 
@@ -525,12 +477,12 @@ def restore_link(studio: Studio, session: Session, request: gr.Request = None):
     try:
         link = share.decode_link(studio, token)
     except AppError as err:
-        return (*skip[:9], None, _problem(f"This link cannot be used: {err}. Nothing from it was applied."))
+        return (*skip[:9], None, problem(f"This link cannot be used: {err}. Nothing from it was applied."))
     s = link.settings
     restored = replace(link.session, original=None, intervened=None, selected=None)
     pending = {"selected": list(link.selected) if link.selected else None}
     return (s.prompt, s.max_new_tokens, s.temperature, s.top_p, s.seed, restored, restored.rows(),
-            _ok(f"restored {restored.n_rows} intervention(s) from the link"), restored.suppress_mode, pending,
+            ok(f"restored {restored.n_rows} intervention(s) from the link"), restored.suppress_mode, pending,
             "Restoring a shared link: generating…")
 
 
@@ -561,8 +513,8 @@ def _export(make, *args):
     try:
         path = make(*args)
     except AppError as err:
-        return None, _problem(err)
-    return path, _ok(f"ready: {Path(path).name} (download below)")
+        return None, problem(err)
+    return path, ok(f"ready: {Path(path).name} (download below)")
 
 
 def _shown_if_set(value):
@@ -609,6 +561,6 @@ def import_interventions(studio: Studio, upload, session: Session):
             raise AppError(f"this file is not JSON ({err})") from None
         session = share.import_interventions(studio, data, session)
     except (AppError, OSError) as err:
-        return session, _interventions_table(session), _problem(err), gr.skip()
-    return session, _interventions_table(session), _ok(f"imported {session.n_rows} intervention(s). Generate again "
+        return session, session.rows(), problem(err), gr.skip()
+    return session, session.rows(), ok(f"imported {session.n_rows} intervention(s). Generate again "
                                                        "to compare."), session.suppress_mode

@@ -1,8 +1,8 @@
 """The handlers of the interventions panel: suppress or scale a prototype, a category, every search match or a
 preset; how suppression acts; remove and clear; load a fitted controller. Each returns (session, the list,
 status) or, for the controller, (session, rows, status, description), and is wired by app/ui.py like the handlers
-of app/handlers.py, whose conventions it shares (a new Session, never a shared one changed; messages, not raw
-exceptions).
+of app/handlers.py, whose conventions it shares (a new Session, never a shared one changed; messages from
+app/messages.py, never raw exceptions).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import gradio as gr
 from app import controllers as app_controllers
 from app import limits
 from app.core import AppError, Studio
-from app.handlers import _interventions_table, _ok, _problem, guarded
+from app.messages import guarded, ok, problem
 from app.session import MAX_SCALE, SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
 
 
@@ -25,8 +25,8 @@ def _intervened(studio: Studio, session: Session, make) -> tuple:
                            "some (or suppress a category or a search result as one row)")
         session = session.add(make())
     except (AppError, ValueError) as err:
-        return session, _interventions_table(session), _problem(err)
-    return session, _interventions_table(session), _ok(f"added: {session.items[-1].describe()}. Generate again to "
+        return session, session.rows(), problem(err)
+    return session, session.rows(), ok(f"added: {session.items[-1].describe()}. Generate again to "
                                                           "compare.")
 
 
@@ -77,8 +77,8 @@ def suppress_mode(mode: str, session: Session):
     try:
         session = session.with_suppress_mode(mode)
     except ValueError as err:
-        return session, _interventions_table(session), _problem(err)
-    return session, _interventions_table(session), _ok(
+        return session, session.rows(), problem(err)
+    return session, session.rows(), ok(
         f"suppressions now {SUPPRESS_MODE_NAMES[session.suppress_mode]}. Generate again to compare.")
 
 
@@ -87,18 +87,18 @@ def remove_intervention(index, session: Session):
     try:
         session = session.remove(limits.whole("the row number", index, 0, max(session.n_rows - 1, 0)))
     except (AppError, ValueError) as err:
-        return session, _interventions_table(session), _problem(err)
-    return session, _interventions_table(session), _ok("removed")
+        return session, session.rows(), problem(err)
+    return session, session.rows(), ok("removed")
 
 
 @guarded
 def clear_interventions(session: Session):
-    return session.clear(), [], _ok("all interventions removed")
+    return session.clear(), [], ok("all interventions removed")
 
 
 @guarded
 def list_interventions(session: Session):
-    return _interventions_table(session), session.interventions().__repr__()
+    return session.rows(), session.interventions().__repr__()
 
 
 @guarded
@@ -117,13 +117,13 @@ def controller(studio: Studio, path: str, upload, enabled: bool, session: Sessio
             loaded, name = app_controllers.load_shipped(studio, shipped), str(shipped)
         if loaded is None:
             raise AppError("no controller loaded: pick a shipped one, give a path or upload a file written by "
-                           "`python -m prism.controllers fit`")
+                           "`python -m bench.controllers fit`")
     except AppError as err:
-        return session, [], _problem(err), None
+        return session, [], problem(err), None
     session = replace(session, controller=loaded, controller_on=bool(enabled), controller_name=name)
     view = app_controllers.describe(studio, loaded)
     state = "on: generate again to compare" if enabled else "loaded, off (tick the box to use it)"
-    return session, app_controllers.table_rows(view), _ok(f"controller {view['name']} {state}"), view
+    return session, app_controllers.table_rows(view), ok(f"controller {view['name']} {state}"), view
 
 
 @guarded

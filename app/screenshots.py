@@ -16,14 +16,13 @@ Needs Debian's chromium (apt-get install -y chromium) and Playwright (requiremen
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import socket
-import sys
 from pathlib import Path
 
 from app.assets import ROOT, resolve_db, resolve_model
+from prism import cli
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -115,17 +114,15 @@ def take(url: str, out: Path, width: int = 1400, theme: str = "light") -> list[P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.screenshots", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m app.screenshots", __doc__)
     parser.add_argument("--model", default=None, help="a PRISM model folder (default: the shipped one)")
     parser.add_argument("--db", default=None, help="its database (default: the shipped one with the shipped model)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "images"), help="folder for the PNG files")
     parser.add_argument("--width", type=int, default=1400, help="browser window width in pixels")
     parser.add_argument("--theme", choices=["light", "dark"], default="light", help="Gradio theme mode")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = cli.parse(parser, argv)
     if not Path(CHROMIUM).is_file():
-        sys.exit(f"{CHROMIUM} is missing: apt-get install -y chromium")
+        cli.fail(parser, f"{CHROMIUM} is missing: apt-get install -y chromium")
     from app.core import Studio
     from app.ui import build_demo, launch
 

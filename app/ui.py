@@ -199,7 +199,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 iv_repr = gr.Textbox(visible=False)
                 with gr.Accordion("Controller", open=False, elem_id="controller-panel"):
                     gr.Markdown("A fitted controller reweights prototypes wherever they are active "
-                                "(`python -m prism.controllers fit`). Load one, see what it moves, switch it on.")
+                                "(`python -m bench.controllers fit`). Load one, see what it moves, switch it on.")
                     shipped = list(app_controllers.shipped(studio))
                     ctl_shipped = gr.Dropdown(shipped, value=shipped[0] if shipped else None,
                                               label="Shipped controller", elem_id="ctl-shipped",

@@ -11,7 +11,6 @@ line per measurement. tests/test_app_limits.py runs the same probes against a ti
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
@@ -23,6 +22,8 @@ import uuid
 from pathlib import Path
 
 import httpx
+
+from prism import cli
 
 logger = logging.getLogger(__name__)
 
@@ -245,15 +246,13 @@ def bad_inputs(url: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.app_load", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.parser("python -m bench.app_load", __doc__)
     parser.add_argument("--url", required=True, help="a running app.py")
     parser.add_argument("--tokens", type=int, default=8, help="new tokens of the normal request")
     parser.add_argument("--stream-tokens", type=int, default=256, help="tokens of the streamed-bytes probe")
     parser.add_argument("--preset", default=None, help="also measure the bytes with this preset applied")
     parser.add_argument("--out", default=None, help="append the JSON lines here as well")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = cli.parse(parser, argv)
     rows = [stream_bytes(args.url, args.stream_tokens)]
     if args.preset:
         rows.append(stream_bytes(args.url, args.stream_tokens, args.preset))

@@ -50,3 +50,26 @@ def test_every_command_has_help(module, capsys):
         assert re.search(rf"usage: {typed}", out), out[:300]
     else:
         assert "usage:" in out
+
+
+def test_app_py_has_help_and_every_limit_as_a_flag(capsys):
+    """app.py (a script beside the app/ package, so loaded from its file): --help, and one flag per Limits field."""
+    import dataclasses
+    import importlib.util
+
+    from app.limits import Limits
+
+    spec = importlib.util.spec_from_file_location("app_script", ROOT / "app.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "usage: python app.py" in out
+    for field in dataclasses.fields(Limits):
+        assert "--" + field.name.replace("_", "-") in out
+    limits = script.limits_from(script.build_parser().parse_args(["--max-prompt-tokens", "64", "--no-server-paths"]))
+    assert limits.max_prompt_tokens == 64 and limits.server_paths is False
+    with pytest.raises(SystemExit) as exit_info:  # a bad limit: one line, exit code 2, nothing started
+        script.main(["--burst", "0"])
+    assert exit_info.value.code == 2 and "burst must be a positive number" in capsys.readouterr().err
