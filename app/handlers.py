@@ -25,7 +25,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import controllers as app_controllers
-from app import export, plots, share
+from app import export, plots, render, share
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
 from app.core import (
@@ -344,7 +344,8 @@ def prototype(studio: Studio, prototype_id: float | str | None):
     if card["coactive"]:
         md += "\n\nOften active with: " + ", ".join(
             f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card["coactive"][:5])
-    evidence = "".join(_evidence_html(e) for e in card["evidence"]) or "<p>No evidence rows for this prototype.</p>"
+    evidence = "".join(render.evidence_html(e) for e in card["evidence"]) or \
+        "<p>No evidence rows for this prototype.</p>"
     data = {k: v for k, v in card.items() if k not in ("evidence",)}
     data["evidence"] = [{k: e[k] for k in ("rank", "doc_id", "activation", "token", "url", "title", "source")}
                         for e in card["evidence"]]
@@ -354,17 +355,6 @@ def prototype(studio: Studio, prototype_id: float | str | None):
 
 def _shown_score(x) -> str:
     return "n/a" if x is None else f"{float(x):.3f}"
-
-
-def _evidence_html(row: dict) -> str:
-    source = html.escape(row.get("title") or row.get("doc_id") or "")
-    if row.get("url"):
-        url = html.escape(row["url"], quote=True)
-        if url.startswith(("http://", "https://")):
-            source = f'<a href="{url}" target="_blank" rel="noopener noreferrer">{source or url}</a>'
-    return (f'<div class="prism-evidence"><div class="prism-evidence-text">…{row["html"]}…</div>'
-            f'<div class="prism-evidence-source">activation {row["activation"]:.3f} · {source} '
-            f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')
 
 
 def _score(x) -> float | None:

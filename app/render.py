@@ -5,18 +5,11 @@ precompute/ returns data, the app decides how it looks.
     html = segments_html(row["segments"])  # a context: tokens shaded by activation, the target token outlined
 
 Every piece of text is escaped; a link is made only for http(s) addresses.
-
-segments_html still lives in precompute/query.py because query.evidence() adds it to each row as row["html"], which
-app/ui.py reads; it moves here once the UI renders row["segments"] through this module.
 """
 
 from __future__ import annotations
 
 import html
-
-from precompute.query import segments_html
-
-__all__ = ["attribution_html", "segments_html", "signed_number"]
 
 
 def attribution_html(rows: list[dict]) -> str:
@@ -44,3 +37,28 @@ def attribution_html(rows: list[dict]) -> str:
 def signed_number(x: float) -> str:
     """A signed score for people: whole numbers when large, three significant digits when small."""
     return f"{x:+,.0f}" if abs(x) >= 100 else f"{x:+.3g}"
+
+
+def segments_html(segments: list[dict]) -> str:
+    """A context as escaped HTML: tokens shaded by activation, the evidence token outlined."""
+    out = []
+    for s in segments:
+        alpha = max(0.0, min(1.0, s["activation"]))
+        style = f"background: rgba(255, 140, 0, {alpha:.2f});"
+        if s["target"]:
+            style += " outline: 2px solid #c0392b; font-weight: 600;"
+        out.append(f'<span style="{style}" title="{s["activation"]:.3f}">{html.escape(s["text"])}</span>')
+    return "".join(out)
+
+
+def evidence_html(row: dict) -> str:
+    """One evidence row of a prototype's card: the context (or why its text could not be read) and its source."""
+    text = html.escape(row["error"]) if row.get("error") else segments_html(row["segments"])
+    source = html.escape(row.get("title") or row.get("doc_id") or "")
+    if row.get("url"):
+        url = html.escape(row["url"], quote=True)
+        if url.startswith(("http://", "https://")):
+            source = f'<a href="{url}" target="_blank" rel="noopener noreferrer">{source or url}</a>'
+    return (f'<div class="prism-evidence"><div class="prism-evidence-text">…{text}…</div>'
+            f'<div class="prism-evidence-source">activation {row["activation"]:.3f} · {source} '
+            f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')

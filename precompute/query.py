@@ -12,7 +12,6 @@ packages, checked against the stored sha256; a mismatch is reported in the row i
 
 from __future__ import annotations
 
-import html
 from functools import lru_cache
 from pathlib import Path
 
@@ -136,7 +135,6 @@ def evidence(con: duckdb.DuckDBPyConnection, prototype_id, limit: int = 10, offs
         row["segments"] = [] if text is None else _segments(text, row)
         if text is not None and not row["token"]:
             row["token"] = text[row["char_start"]: row["char_end"]]
-        row["html"] = segments_html(row["segments"]) if error is None else html.escape(error)
     return rows
 
 
@@ -151,20 +149,6 @@ def _segments(text: str, row: dict) -> list[dict]:
                        "target": a == row["char_start"] and b == row["char_end"]})
         cursor = b
     return pieces
-
-
-def segments_html(segments: list[dict]) -> str:
-    """Escaped HTML: tokens shaded by activation, the evidence token outlined. The one piece of HTML left in
-    precompute/: evidence() adds it to each row because app/ui.py reads row["html"]; the app's other HTML is in
-    app/render.py, where this moves once the UI renders row["segments"] there."""
-    out = []
-    for s in segments:
-        alpha = max(0.0, min(1.0, s["activation"]))
-        style = f"background: rgba(255, 140, 0, {alpha:.2f});"
-        if s["target"]:
-            style += " outline: 2px solid #c0392b; font-weight: 600;"
-        out.append(f'<span style="{style}" title="{s["activation"]:.3f}">{html.escape(s["text"])}</span>')
-    return "".join(out)
 
 
 @lru_cache(maxsize=4096)
