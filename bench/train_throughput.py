@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -20,6 +21,23 @@ from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import pack, tokenize_split
 from prism.train import TrainArgs, TrainModule, _set_trainable, init_prototypes
+
+
+def profile_steps(module, optimizer, batches, top: int) -> list[dict]:
+    """torch.profiler over whole training steps: the `top` operators by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for ids, states in batches:
+            loss, _, _ = module(ids, states)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    table = prof.key_averages()
+    sys.stderr.write(table.table(sort_by="self_cpu_time_total", row_limit=top) + "\n")
+    rows = sorted(table, key=lambda e: -e.self_cpu_time_total)[:top]
+    return [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / 1000 / len(batches), 2),
+             "calls_per_step": e.count // len(batches)} for e in rows]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -33,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per model (after 2 warm-up steps)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile 2 steps of each model and report the N operators with the "
+                             "most self CPU time (the table also goes to stderr)")
     args = cli.parse(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
             optimizers[name].step()
             if step >= 2:
                 times[name].append(time.perf_counter() - t0)
+    if args.profile:
+        profiles = {name: profile_steps(modules[name], optimizers[name], batches[:2], args.profile)
+                    for name in ("dense", "prism", "dense", "prism")}  # twice, alternating: the second counts
     tokens = args.batch_size * args.seq_len
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
@@ -82,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         "throughput_ratio": med["dense"] / med["prism"],
         "ratio_per_pair_median": statistics.median(d / p for p, d in zip(times["prism"], times["dense"])),
     }
+    if args.profile:
+        result["profile"] = profiles
     cli.print_json(result)
     return result
 

@@ -70,3 +70,22 @@ def test_prism_loss_is_the_weighted_sum_and_ignores_padding():
     z2[0, 3] = 1e3  # a padded token's state must not move any term but CE's own masking
     _, masked = prism_loss(logits, padded, z2, z_hat, sims, 0.5, 0.2, 0.3)
     assert float(masked["rec"]) == pytest.approx(float(rec_loss(z[:, :3], z_hat[:, :3])), rel=1e-6)
+
+
+def test_r1_gradient_equals_the_plain_max_over_tokens():
+    """r1_loss takes the maximum over tokens with a cheaper operation; value and gradient equal torch's
+    max(dim=0) (with and without a mask), and tied maxima share the gradient."""
+    torch.manual_seed(0)
+    sims = torch.randn(3, 7, 5, requires_grad=True)
+    mask = torch.rand(3, 7) > 0.3
+    for m in (None, mask):
+        sims.grad = None
+        r1_loss(sims, m).backward()
+        ours = sims.grad.clone()
+        sims.grad = None
+        flat = sims.reshape(-1, 5) if m is None else sims.reshape(-1, 5)[m.reshape(-1)]
+        (1.0 - flat.max(dim=0).values).mean().backward()
+        torch.testing.assert_close(ours, sims.grad)
+    tied = torch.zeros(4, 2, requires_grad=True)  # every token ties for both prototypes
+    r1_loss(tied).backward()
+    torch.testing.assert_close(tied.grad, torch.full((4, 2), -1.0 / 8))

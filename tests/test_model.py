@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import BACKBONES, random_ids, tiny_backbone_dir, tiny_prism
 
 from prism import Interventions, PrismConfig, PrismForCausalLM
@@ -320,18 +321,34 @@ def test_loss_terms_are_returned_with_labels():
     assert model.prototypes.weight.grad is not None and model.prototypes.weight.grad.abs().sum() > 0
 
 
-def test_dense_and_gathered_reconstruction_agree_in_value_and_gradient(monkeypatch):
+def test_the_cheap_head_matches_the_plain_computation_in_value_and_gradient(monkeypatch):
+    """Reconstruction (embedding_bag) and the similarities' sparse backward against the plain formulas under
+    autograd: a dense (tokens, K) activation matrix times the bank, and cos(z, p) as a dense product. Both the
+    sparse backward (a training-like loss: top-k, R1, R2) and its dense fallback are checked."""
     import prism.model as model_module
+    from prism.losses import r1_loss, r2_loss
 
     model = tiny_prism("llama", n_prototypes=16, top_k=4)
-    z = torch.randn(2, 5, 32)
-    results = []
-    for limit in (1 << 26, 0):  # dense path, then the gathered path
-        monkeypatch.setattr(model_module, "DENSE_RECONSTRUCT_LIMIT", limit)
-        model.zero_grad()
-        ids, acts = model.prototypes.activate(model.prototypes.similarities(z), 4)
-        z_hat = model.prototypes.reconstruct(ids, acts)
-        z_hat.pow(2).sum().backward()
-        results.append((z_hat.detach(), model.prototypes.weight.grad.clone()))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
+    bank = model.prototypes
+    for density in (1.0, 0.0):  # always the sparse path, then always the dense fallback
+        monkeypatch.setattr(model_module, "SPARSE_GRAD_MAX_DENSITY", density)
+        z = torch.randn(2, 40, 32, requires_grad=True)
+        results = []
+        for plain in (False, True):
+            model.zero_grad()
+            z.grad = None
+            if plain:
+                sims = F.normalize(z, dim=-1) @ F.normalize(bank.weight, dim=-1).T  # (B, T, K)
+                values, ids = sims.topk(4, dim=-1)
+                acts = values.relu()
+                dense = torch.zeros(*ids.shape[:-1], 16).scatter_add(-1, ids, acts)
+                z_hat = dense @ bank.weight
+            else:
+                sims = bank.similarities(z)
+                ids, acts = bank.activate(sims, 4)
+                z_hat = bank.reconstruct(ids, acts)
+            loss = (z - z_hat).pow(2).sum() + r1_loss(sims) + r2_loss(sims)
+            loss.backward()
+            results.append((z_hat.detach(), sims.detach(), z.grad.clone(), bank.weight.grad.clone()))
+        for ours, plain in zip(*results):
+            torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
