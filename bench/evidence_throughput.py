@@ -1,6 +1,6 @@
 """Evidence job throughput vs a plain forward pass over the same batches, side by side.
 
-    python bench/evidence_throughput.py --model runs/prism/final --corpus default --batches 12
+    python -m bench.evidence_throughput --model runs/prism/final --corpus default --batches 12
 
 Batches of windows are built exactly as the evidence job builds them; each batch is timed twice, once as a plain
 forward pass of the model and once through the job's processing (forward plus every accumulator), alternating
@@ -22,7 +22,7 @@ from prism import cli
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = cli.parser("python bench/evidence_throughput.py", __doc__, formatter="plain")
+    parser = cli.parser("python -m bench.evidence_throughput", __doc__, formatter="plain")
     parser.add_argument("--model", required=True)
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--batches", type=int, default=12, help="timed batches (after one warm-up)")

@@ -1,7 +1,7 @@
 """Latency of the query layer (what the app calls per click), p50/p95 over many calls.
 
-    python bench/query_latency.py --db out.duckdb                       # as built
-    python bench/query_latency.py --db out.duckdb --scale-to 16384      # replicated to a 16k-prototype bank
+    python -m bench.query_latency --db out.duckdb                       # as built
+    python -m bench.query_latency --db out.duckdb --scale-to 16384      # replicated to a 16k-prototype bank
 
 --scale-to writes a copy whose prototypes are the built ones repeated (ids shifted, every row kept) until the
 bank has that many prototypes, so latencies are measured at the size of a real large model's database. Prints
@@ -55,7 +55,7 @@ def timed(fn, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = cli.parser("python bench/query_latency.py", __doc__, formatter="plain")
+    parser = cli.parser("python -m bench.query_latency", __doc__, formatter="plain")
     parser.add_argument("--db", required=True)
     parser.add_argument("--scale-to", type=int, default=None, help="replicate prototypes up to this many")
     parser.add_argument("--repeats", type=int, default=200)
