@@ -119,12 +119,17 @@ def running_app(model: Path, db: Path | None, concurrency: int = 2, timeout: flo
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_process(proc, log)
+
+
+def stop_process(proc: subprocess.Popen, log) -> None:
+    """End a server started for a test (terminate, then kill after 20 s) and close its log."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def build_tiny_controller(studio, folder: Path, prompt: str, tokens: int):

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_app_support import free_port
+from test_app_support import free_port, stop_process
 
 pytestmark = pytest.mark.slow  # a fresh install (about 90 s) and the shipped model
 
@@ -140,9 +140,4 @@ def test_a_space_build_serves_the_page_and_generate_on_all_addresses(tmp_path):
         path_box = [c for c in config["components"] if c.get("props", {}).get("elem_id") == "ctl-path"]
         assert path_box and path_box[0]["props"]["visible"] is False
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_process(proc, log)
