@@ -476,14 +476,17 @@ def train(args: TrainArgs) -> Path:
         step += 1
         steps_this_run += 1
         bar.update()
-        if not args.dense_baseline and args.dead_every and step % args.dead_every == 0:
-            result.metrics["reseeded"] = _handle_dead(model, optimizer, usage, result, world)
+        checked = not args.dense_baseline and args.dead_every and step % args.dead_every == 0
+        if checked:
+            result.metrics["dead"], result.metrics["reseeded"] = _handle_dead(model, optimizer, usage, result, world)
             usage.zero_()
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-            now = time.perf_counter()
-            result.metrics["tokens_per_s"] = tokens_per_step * (args.log_every if step % args.log_every == 0 else 1) \
-                / max(now - t_last, 1e-9)
-            t_last = now
+        logged = step % args.log_every == 0 or step == args.steps
+        if rank == 0 and (logged or checked):  # a check's counts are logged even between --log-every steps
+            if logged:
+                now = time.perf_counter()
+                result.metrics["tokens_per_s"] = tokens_per_step / max(now - t_last, 1e-9) \
+                    * (args.log_every if step % args.log_every == 0 else 1)
+                t_last = now
             row = {"step": step, "loss": float(result.loss), **result.losses, **result.metrics}
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -533,13 +536,15 @@ def _train_step(ddp, module, optimizer, scheduler, blocks, cache, idx, args, usa
     return result
 
 
-def _handle_dead(model, optimizer, usage, result, world) -> int:
+def _handle_dead(model, optimizer, usage, result, world) -> tuple[int, int]:
+    """(dead, reseeded): the prototypes active at no token since the last check, and how many of them moved."""
     if world > 1:
         _all_reduce_sum(usage)
-    n = reseed_dead(model, optimizer, usage == 0, result.z, result.z_hat)
+    dead = usage == 0
+    n = reseed_dead(model, optimizer, dead, result.z, result.z_hat)
     if n:
         logger.info("re-seeded %d dead prototypes", n)
-    return n
+    return int(dead.sum()), n
 
 
 def _build_state_cache(model, args, blocks, rank, world) -> StateCache | None:

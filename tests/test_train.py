@@ -208,3 +208,57 @@ def test_two_process_ddp_matches_one_process_on_the_same_global_batch(setup, tmp
         update = (b[k] - untrained[k]).norm()
         assert update > 0, f"{k} should have trained"
         assert (a[k] - b[k]).norm() < 0.01 * update, k
+
+
+def _dead_fraction(final: Path, run: Path) -> float:
+    """Fraction of the bank active at no token of the run's training blocks."""
+    from prism.data import pack
+    from prism.eval import evaluate_prism
+
+    train = np.load(next((run / "cache").glob("tokens-*")) / "train.npy")
+    return evaluate_prism(PrismForCausalLM.from_pretrained(final), pack(train, 32), 8)["dead_fraction"]
+
+
+def test_reseeding_leaves_fewer_dead_prototypes_than_none(setup, tmp_path, monkeypatch):
+    """A bank bigger than the tiny model needs (K = 96, k = 1), half of it planted badly (those rows point away
+    from the states they were initialised on): after the same steps, without re-seeding about a fifth of the bank
+    is active at no training token; --dead-every moves the unused rows onto states of the batch, where they stay
+    in use. (A re-seeded row's direction is its state's: test_reseeding_moves_dead_prototypes_to_...)"""
+    import prism.train as train_module
+
+    def planted(model, z, seed):
+        init_prototypes(model, z, seed)
+        with torch.no_grad():
+            model.prototypes.weight[48:] *= -1
+
+    monkeypatch.setattr(train_module, "init_prototypes", planted)
+    common = dict(mode="prototypes", n_prototypes=96, steps=20, log_every=3, init_tokens=400, top_k=1)
+    runs = {}
+    for every in (0, 5):
+        out = tmp_path / f"every{every}"
+        final = main(_argv(setup, out, dead_every=every, cache_dir=str(out / "cache"), **common))
+        runs[every] = (_dead_fraction(final, out), [json.loads(r) for r in (out / "train_log.jsonl").open()])
+    assert runs[0][0] > 0.1 and runs[5][0] < runs[0][0] / 4, runs
+    checks = [r for r in runs[5][1] if "reseeded" in r]
+    assert [r["step"] for r in checks] == [5, 10, 15, 20]  # logged at every check, between --log-every steps too
+    assert checks[0]["dead"] >= 24 and checks[0]["reseeded"] == checks[0]["dead"]  # a batch has enough states
+    assert all(r["reseeded"] <= r["dead"] for r in checks)
+    assert not any("reseeded" in r for r in runs[0][1])
+
+
+def test_resumed_run_with_reseeding_equals_uninterrupted_run(setup, tmp_path):
+    """Usage counts since the last check are part of the checkpoint: a run stopped between two checks and resumed
+    re-seeds the same prototypes at the same steps as one that never stopped."""
+    common = dict(n_prototypes=64, top_k=2, dead_every=3, checkpoint_every=4, log_every=5)
+    whole = main(_argv(setup, tmp_path / "whole", **common))
+    main(_argv(setup, tmp_path / "parts", exit_after=5, **common))  # stops at step 5, between the checks at 3 and 6
+    resumed = main(_argv(setup, tmp_path / "parts", **common))
+    for k, tensor in _weights(whole).items():
+        assert torch.equal(tensor, _weights(resumed)[k]), k
+    rows = {}
+    for name in ("whole", "parts"):
+        rows[name] = [{k: v for k, v in json.loads(r).items() if k != "tokens_per_s"}
+                      for r in (tmp_path / name / "train_log.jsonl").open()]
+    assert rows["whole"] == rows["parts"]
+    assert sum(r.get("reseeded", 0) for r in rows["whole"]) > 0  # re-seeding did happen
+
