@@ -53,6 +53,7 @@ logger = logging.getLogger("prism.train")
 MODES = ("end-to-end", "top", "prototypes")
 TRAIN_ARGS = "train_args.json"
 LOG_FILE = "train_log.jsonl"
+CORPUS_MIX = "corpus_mix.json"  # training tokens per source before and after --max-source-share
 CHECKPOINT = "checkpoint"
 FINAL = "final"
 # Arguments that may change between a run and its resumption without changing the result.
@@ -79,6 +80,8 @@ class TrainArgs:
     seq_len: int = 256
     val_fraction: float = 0.05  # fraction of documents held out (by a hash of the document id)
     max_tokens: int | None = None  # cap on training tokens read from the corpus
+    max_source_share: float | None = None  # cap on one source's share of the training tokens, by whole documents
+    # (seeded by --seed; the achieved mix goes into the run's metadata); the default corpus is mostly scripture
     # -- optimisation
     steps: int = 1000
     batch_size: int = 8  # sequences per step per process
@@ -114,6 +117,8 @@ class TrainArgs:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         PrismConfig(n_prototypes=self.n_prototypes, top_k=self.top_k)  # validates k <= K early
+        if self.max_source_share is not None and not 0 < self.max_source_share <= 1:
+            raise ValueError(f"max_source_share must be in (0, 1], got {self.max_source_share}")
         if self.cache_layer is not None and self.mode != "top":
             raise ValueError("--cache-layer applies to --mode top only")
 
@@ -172,22 +177,30 @@ def _cache_root(args: TrainArgs) -> Path:
     return Path(args.cache_dir) if args.cache_dir else Path(args.out) / "cache"
 
 
-def _token_blocks(args: TrainArgs, tokenizer, rank: int) -> dict[str, np.ndarray]:
-    """Train/val blocks (N, seq_len) int32, tokenized once and cached under a key of everything they depend on."""
-    key = hashlib.sha256(json.dumps([corpus_fingerprint(args.corpus), args.backbone, tokenizer.name_or_path,
-                                     len(tokenizer), args.val_fraction, args.max_tokens]).encode()).hexdigest()[:16]
+def _token_blocks(args: TrainArgs, tokenizer, rank: int) -> tuple[dict[str, np.ndarray], dict | None]:
+    """Train/val blocks (N, seq_len) int32, tokenized once and cached under a key of everything they depend on,
+    and with --max-source-share the training tokens per source before and after the cap (else None)."""
+    parts = [corpus_fingerprint(args.corpus), args.backbone, tokenizer.name_or_path, len(tokenizer),
+             args.val_fraction, args.max_tokens]
+    if args.max_source_share is not None:  # appended only when set, so uncapped runs keep their caches
+        parts += [args.max_source_share, args.seed]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     folder = _cache_root(args) / f"tokens-{key}"
     if rank == 0 and not (folder / "done").exists():
-        streams = tokenize_split(args.corpus, tokenizer, args.val_fraction, args.max_tokens)
+        streams, mix = tokenize_split(args.corpus, tokenizer, args.val_fraction, args.max_tokens,
+                                      max_source_share=args.max_source_share, seed=args.seed, return_mix=True)
         folder.mkdir(parents=True, exist_ok=True)
         for split, stream in streams.items():
             np.save(folder / f"{split}.npy", stream)
+        if args.max_source_share is not None:
+            (folder / "mix.json").write_text(json.dumps(mix, indent=2))
         (folder / "done").write_text("ok")
     _barrier()
     blocks = {s: pack(np.load(folder / f"{s}.npy"), args.seq_len) for s in ("train", "val")}
     if len(blocks["train"]) == 0:
         raise ValueError(f"the corpus gives fewer than seq_len={args.seq_len} training tokens")
-    return blocks
+    mix = json.loads((folder / "mix.json").read_text()) if args.max_source_share is not None else None
+    return blocks, mix
 
 
 class StateCache:
@@ -437,7 +450,14 @@ def train(args: TrainArgs) -> Path:
                                    "dense_baseline": args.dense_baseline})
     model = PrismForCausalLM.from_backbone(backbone, config).to(args.device).eval()
     _set_trainable(model, args)
-    blocks = _token_blocks(args, tokenizer, rank)["train"]
+    blocks, mix = _token_blocks(args, tokenizer, rank)
+    blocks = blocks["train"]
+    if mix is not None:  # saved with the final model's config, and beside the run's arguments
+        model.config.metadata["corpus_mix"] = mix
+        if rank == 0:
+            (out / CORPUS_MIX).write_text(json.dumps(mix, indent=2))
+        logger.info("training tokens per source, before and after --max-source-share %s: %s -> %s",
+                    args.max_source_share, mix["before"], mix["after"])
     logger.info("%d training blocks of %d tokens; %s mode%s", len(blocks), args.seq_len, args.mode,
                 " (dense baseline)" if args.dense_baseline else "")
 
@@ -591,7 +611,8 @@ def _check_run_folder(out: Path, args: TrainArgs, rank: int) -> None:
     saved = out / TRAIN_ARGS
     if rank == 0:
         if saved.exists():
-            old = json.loads(saved.read_text())
+            # a run saved before a field existed ran with that field's default
+            old = {**asdict(TrainArgs(corpus="-", out="-")), **json.loads(saved.read_text())}
             old_identity = {k: v for k, v in old.items() if k not in RESUMABLE}
             if old_identity != args.identity():
                 if not args.overwrite:
@@ -599,7 +620,7 @@ def _check_run_folder(out: Path, args: TrainArgs, rank: int) -> None:
                                   if old_identity.get(k) != args.identity().get(k))
                     raise ValueError(f"{out} holds a run with different arguments ({', '.join(diff)}); "
                                      "use another --out or --overwrite to start over")
-                for name in (CHECKPOINT, CHECKPOINT + ".old", FINAL, LOG_FILE):
+                for name in (CHECKPOINT, CHECKPOINT + ".old", FINAL, LOG_FILE, CORPUS_MIX):
                     target = out / name
                     shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
@@ -617,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {
         "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "dense_baseline"],
         "what trains": ["mode", "n_layers", "cache_layer"],
-        "data": ["corpus", "seq_len", "val_fraction", "max_tokens"],
+        "data": ["corpus", "seq_len", "val_fraction", "max_tokens", "max_source_share"],
         "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
         "prototype health": ["init_tokens", "dead_every"],
         "bookkeeping": ["out", "cache_dir", "cache_dtype", "checkpoint_every", "log_every", "exit_after",
@@ -633,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
         "corpus": "text/jsonl/Parquet file, folder or glob (required)",
         "val_fraction": "fraction of documents held out for validation (chosen by a hash of the document id)",
         "max_tokens": "cap on the training tokens read from the corpus",
+        "max_source_share": "cap on any one source's share of the training tokens, e.g. 0.4: whole documents are "
+                            "dropped (seeded by --seed); the mix before and after is saved in OUT/corpus_mix.json "
+                            "and the model's metadata (default: no cap)",
         "dead_every": "re-seed prototypes unused in the last N steps (0: never)",
         "out": "run folder: arguments, log, checkpoint, final model (required)",
         "cache_dir": "where token and hidden-state caches go (default OUT/cache); share it between runs",
@@ -648,6 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, action="store_true", help=helps.get(name, ""))
             elif name in ("max_tokens", "exit_after", "cache_layer"):
                 group.add_argument(flag, type=int, default=None, help=helps.get(name, ""))
+            elif name == "max_source_share":
+                group.add_argument(flag, type=float, default=None, help=helps.get(name, ""))
             elif name == "cache_dir":
                 group.add_argument(flag, default=None, help=helps.get(name, ""))
             else:

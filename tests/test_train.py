@@ -262,3 +262,35 @@ def test_resumed_run_with_reseeding_equals_uninterrupted_run(setup, tmp_path):
     assert rows["whole"] == rows["parts"]
     assert sum(r.get("reseeded", 0) for r in rows["whole"]) > 0  # re-seeding did happen
 
+
+def _sourced_corpus(folder: Path) -> Path:
+    from helpers import synthetic_documents
+
+    docs = synthetic_documents(90)
+    for i, doc in enumerate(docs):  # 'kjv' gets about 80% of the documents
+        doc["source"] = "kjv" if i % 5 else ("wiki" if i % 2 else "news")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "c.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return folder / "c.jsonl"
+
+
+def test_max_source_share_is_applied_and_recorded_with_the_run(setup, tmp_path):
+    corpus = str(_sourced_corpus(tmp_path / "corpus"))
+    final = main(_argv(setup, tmp_path / "cap", corpus=corpus, steps=2, max_source_share=0.4))
+    mix = json.loads((tmp_path / "cap" / "corpus_mix.json").read_text())
+    assert mix["max_source_share"] == 0.4 and mix["before"]["kjv"] > 0.7 * sum(mix["before"].values())
+    assert mix["after"]["kjv"] < 0.5 * sum(mix["after"].values())
+    assert PrismForCausalLM.from_pretrained(final).config.metadata["corpus_mix"] == mix
+    main(_argv(setup, tmp_path / "plain", corpus=corpus, steps=2))  # no cap: no mix recorded, all of kjv read
+    assert not (tmp_path / "plain" / "corpus_mix.json").exists()
+
+
+def test_a_run_saved_before_a_new_argument_existed_resumes(setup, tmp_path):
+    """An argument added later (here --max-source-share) counts as its default for runs saved without it."""
+    main(_argv(setup, tmp_path / "old", steps=4, exit_after=2))
+    saved = tmp_path / "old" / "train_args.json"
+    args = json.loads(saved.read_text())
+    del args["max_source_share"]
+    saved.write_text(json.dumps(args))
+    main(_argv(setup, tmp_path / "old", steps=4))
+    assert (tmp_path / "old" / "final").exists()
