@@ -4,14 +4,14 @@
 # which a Gradio-SDK Space's requirements.txt cannot ask for), from the CPU build of torch.
 FROM python:3.11-slim
 
-# Spaces run the container as user 1000; the backbone's converted copy goes to $HOME/.cache/prism on first start.
-RUN useradd -m -u 1000 user
+# Spaces run the container as user 1000: the app lives in /app, owned by that user, and the backbone's converted
+# copy goes to that user's home (~/.cache/prism; Docker sets HOME from the user) on first start.
+RUN useradd -m -u 1000 user && mkdir /app && chown user:user /app
 USER user
-ENV HOME=/home/user \
-    GRADIO_SERVER_NAME=0.0.0.0 \
+ENV GRADIO_SERVER_NAME=0.0.0.0 \
     GRADIO_SERVER_PORT=7860 \
     GRADIO_ANALYTICS_ENABLED=False
-WORKDIR /home/user/app
+WORKDIR /app
 
 COPY --chown=user requirements.txt requirements-nodeps.txt ./
 RUN python -m venv .venv && .venv/bin/pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -r requirements.txt && .venv/bin/pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
