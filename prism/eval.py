@@ -90,7 +90,13 @@ def evaluate_prism(model: PrismForCausalLM, blocks: np.ndarray, batch_size: int)
 
 
 def validation_blocks(args: argparse.Namespace, tokenizer) -> np.ndarray:
-    blocks = pack(tokenize_split(args.corpus, tokenizer, args.val_fraction, args.max_tokens)["val"], args.seq_len)
+    """The held-out blocks: the training run's validation stream, read in corpus order. tokenize_split caps it at
+    max_tokens x val_fraction (so small training runs do not tokenize much validation text); a --max-val-tokens
+    beyond that cap raises it (the same stream, read further: a longer evaluation starts with the same blocks)."""
+    max_tokens = args.max_tokens
+    if max_tokens and args.max_val_tokens and args.val_fraction > 0:
+        max_tokens = max(max_tokens, math.ceil(args.max_val_tokens / args.val_fraction) + 1)
+    blocks = pack(tokenize_split(args.corpus, tokenizer, args.val_fraction, max_tokens)["val"], args.seq_len)
     if args.max_val_tokens:
         blocks = blocks[: max(1, args.max_val_tokens // args.seq_len)]
     if len(blocks) == 0:
@@ -118,7 +124,15 @@ def run(args: argparse.Namespace) -> dict:
     logger.info("evaluating on %d held-out blocks of %d tokens", len(blocks), args.seq_len)
     results: dict = {"split": {"corpus": str(args.corpus), "val_fraction": args.val_fraction,
                                "max_tokens": args.max_tokens, "seq_len": args.seq_len, "blocks": len(blocks)}}
-    results["prism"] = {"checkpoint": str(checkpoint), **evaluate_prism(model, blocks, args.batch_size)}
+    if (model.config.metadata or {}).get("dense_baseline"):  # a dense baseline alone: its CE, no prototype metrics
+        if args.dense:
+            raise ValueError("--checkpoint is a dense baseline (prism.train --dense-baseline); --dense compares a "
+                             "PRISM checkpoint with one")
+        results["dense"] = {"checkpoint": str(checkpoint),
+                            **evaluate_lm(lambda ids: model.lm_head(model.final_states(ids)[0]), blocks,
+                                          args.batch_size, "dense")}
+    else:
+        results["prism"] = {"checkpoint": str(checkpoint), **evaluate_prism(model, blocks, args.batch_size)}
     if args.dense:
         dense = PrismForCausalLM.from_pretrained(args.dense).eval()
         results["dense"] = {"checkpoint": str(args.dense),
@@ -130,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         backbone = load_backbone(backbone_spec)
         results["backbone"] = {"backbone": backbone_spec,
                                **evaluate_lm(lambda ids: backbone(ids).logits, blocks, args.batch_size, "backbone")}
-    if "dense" in results:
+    if "dense" in results and "prism" in results:
         results["prism_vs_dense_ce"] = results["prism"]["ce"] / results["dense"]["ce"] - 1
     return results
 
@@ -140,6 +154,8 @@ def format_table(results: dict) -> str:
     for name in ("prism", "dense", "backbone"):
         if name in results:
             rows.append(f"{name:<10} {results[name]['ce']:>8.4f} {results[name]['perplexity']:>10.3f}")
+    if "prism" not in results:
+        return "\n".join(rows)
     p = results["prism"]
     rows.append(f"prism: fve {p['fve']:.4f}  r1_bar {p['r1_bar']:.4f}  r2 {p['r2']:.4f}  "
                 f"mean_active {p['mean_active']:.2f}/{p['top_k']}  dead {p['dead_fraction']:.4f}")
@@ -150,7 +166,8 @@ def format_table(results: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("python -m prism.eval", __doc__)
-    parser.add_argument("--checkpoint", required=True, help="PRISM checkpoint folder (save_pretrained)")
+    parser.add_argument("--checkpoint", required=True,
+                        help="PRISM checkpoint folder (save_pretrained); a dense baseline's is scored on its own")
     parser.add_argument("--dense", help="dense baseline checkpoint folder (prism.train --dense-baseline)")
     parser.add_argument("--backbone", help="untouched backbone to compare (default: the checkpoint's)")
     parser.add_argument("--no-backbone", action="store_true", help="skip the untouched backbone")

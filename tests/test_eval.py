@@ -91,3 +91,29 @@ def test_eval_without_a_split_source_is_a_clear_error(runs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         eval_main(["--checkpoint", str(tmp_path / "alone")])
     assert "--corpus is needed" in capsys.readouterr().err
+
+
+def test_a_dense_baseline_is_scored_alone_as_in_the_comparison(runs):
+    both = eval_main(["--checkpoint", str(runs["prism"]), "--dense", str(runs["dense"]), "--no-backbone"])
+    alone = eval_main(["--checkpoint", str(runs["dense"]), "--no-backbone"])
+    assert "prism" not in alone and alone["split"] == both["split"]
+    assert alone["dense"]["ce"] == pytest.approx(both["dense"]["ce"], rel=1e-6)
+    with pytest.raises(SystemExit):  # a dense checkpoint compared with a dense baseline is a usage error
+        eval_main(["--checkpoint", str(runs["dense"]), "--dense", str(runs["dense"]), "--no-backbone"])
+
+
+def test_more_validation_tokens_than_the_training_cap_reads_the_same_stream_further(runs, tmp_path):
+    # a run capped at max_tokens keeps max_tokens x val_fraction held-out tokens; asking the evaluation for more
+    # must read further along the same held-out stream, not stop at the cap or read other text
+    common = ["--corpus", runs["corpus"], "--val-fraction", "0.2", "--seq-len", "32", "--no-backbone",
+              "--checkpoint", str(runs["prism"])]
+    capped = eval_main([*common, "--max-tokens", "800"])
+    wider = eval_main([*common, "--max-tokens", "800", "--max-val-tokens", "480"])
+    assert capped["split"]["blocks"] == 800 * 0.2 // 32 == 5
+    assert wider["split"]["blocks"] == 480 // 32 == 15
+    tok = load_tokenizer(runs["backbone"])
+    stream = tokenize_split(runs["corpus"], tok, val_fraction=0.2)["val"]
+    full = torch.from_numpy(pack(stream, 32).astype(np.int64))
+    prism = PrismForCausalLM.from_pretrained(runs["prism"])
+    assert wider["prism"]["ce"] == pytest.approx(_ce(prism(full[:15]).logits, full[:15]), rel=1e-4)
+    assert capped["prism"]["ce"] == pytest.approx(_ce(prism(full[:5]).logits, full[:5]), rel=1e-4)

@@ -1,0 +1,76 @@
+"""bench.loss_sweep on a tiny model: every row is what prism.eval gives for that point against the dense baseline
+on the same held-out blocks, the weights reach the trained models, and running the sweep again reuses its work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import tiny_backbone_dir, write_corpus
+
+from bench.loss_sweep import choose, main
+from prism import PrismForCausalLM
+from prism.eval import main as eval_main
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    backbone = str(tiny_backbone_dir(root / "bb"))
+    corpus = str(write_corpus(root / "c", n_docs=60))
+    common = ["--backbone", backbone, "--corpus", corpus, "--cache-dir", str(root / "cache"), "--mode", "top",
+              "--n-layers", "1", "--n-prototypes", "16", "--top-k", "4", "--steps", "6", "--seq-len", "32",
+              "--batch-size", "4", "--init-tokens", "200", "--val-fraction", "0.2", "--max-tokens", "2000"]
+    argv = ["--out", str(root / "out"), "--r1", "0.1,1", "--r2", "0.3", "--max-val-tokens", "320", "--", *common]
+    return {"root": root, "argv": argv, "result": main(argv)}
+
+
+def test_rows_are_each_points_evaluation_against_the_dense_baseline(sweep):
+    out = sweep["root"] / "out"
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [r["point"] for r in rows] == ["r1-0.1_r2-0.3", "r1-1_r2-0.3"] and sweep["result"]["points"] == 2
+    for r in rows:
+        folder = out / r["point"] / "final"
+        config = json.loads((folder / "config.json").read_text())
+        assert (config["lambda_r1"], config["lambda_r2"]) == (r["lambda_r1"], r["lambda_r2"])
+        # an independent evaluation: prism.eval comparing this point with the dense baseline directly
+        direct = eval_main(["--checkpoint", str(folder), "--dense", str(out / "dense" / "final"), "--no-backbone",
+                            "--max-val-tokens", "320"])
+        assert direct["split"]["blocks"] == 10  # 320 held-out tokens: more than the training cap keeps (400)
+        assert r["ce"] == pytest.approx(direct["prism"]["ce"], rel=1e-6)
+        assert r["ce_gap"] == pytest.approx(direct["prism_vs_dense_ce"], rel=1e-6, abs=1e-9)
+        for name in ("r1_bar", "r2", "fve", "dead_fraction"):
+            assert r[name] == pytest.approx(direct["prism"][name], rel=1e-6, abs=1e-9)
+    # the two points trained different banks from the same start
+    a, b = (PrismForCausalLM.from_pretrained(out / r["point"] / "final").prototypes.weight for r in rows)
+    assert not a.equal(b)
+
+
+def test_running_the_sweep_again_reuses_its_evaluations(sweep):
+    out = sweep["root"] / "out"
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("eval.json")}
+    assert len(before) == 3
+    again = main(sweep["argv"])
+    assert again == sweep["result"]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("eval.json")} == before
+
+
+def test_the_chosen_point_meets_the_goals_or_is_the_best_covered_within_the_ce_bound():
+    def r(name, gap, r1, r2):
+        return {"point": name, "ce_gap": gap, "r1_bar": r1, "r2": r2}
+
+    rows = [r("a", 0.01, 0.95, 0.96), r("b", 0.005, 0.94, 0.97), r("c", 0.03, 0.99, 0.99), r("d", 0.0, 0.9, 0.9)]
+    assert choose(rows) == (rows[1], True)
+    rows = [r("a", 0.01, 0.93, 0.99), r("b", 0.015, 0.935, 0.935), r("c", 0.03, 0.99, 0.99)]
+    assert choose(rows) == (rows[1], False)
+    assert choose([r("c", 0.03, 0.99, 0.99)]) == (None, False)
+
+
+def test_flags_the_sweep_sets_are_refused_in_the_shared_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--", "--corpus", "x", "--lambda-r1", "1"])
+    assert "--lambda-r1 is set by the sweep itself" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--r1", "0.1,x", "--", "--corpus", "x"])
+    assert "comma-separated" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
