@@ -5,14 +5,15 @@ served from the attribution cache of the precompute database (precompute/attribu
     html_text, data = attribution_panel(studio, "original", 3, session)   # the Gradio handler (api_name "attribute")
 
 A query costs one pass of the prototype head on the token's final state (kept with the generation) and a sparse
-product over its k active prototypes; the cached vectors are loaded into memory once per database and shared
-(read-only) by every user. Attribution uses the model's own activations: for the intervened text it is computed on
-that text without the interventions.
+product over the prototypes it reads; the cached vectors are memory-mapped once per database (load_index and
+index_folder_for in precompute/attribution/cache.py) and shared (read-only) by every user. Attribution uses the
+model's own activations: for the intervened text it is computed on that text without the interventions.
 """
 
 from __future__ import annotations
 
 import html
+import logging
 import threading
 import weakref
 
@@ -20,6 +21,8 @@ from app.core import AppError, Database, Generation, Studio
 from app.render import attribution_html
 from precompute import attribution as cache
 from prism.attribution import CachedIndex, query_gradient, top_sequences
+
+logger = logging.getLogger(__name__)
 
 RUNS = ("original", "intervened")
 EMPTY = "Click a generated token to see the training sequences behind it."
@@ -34,8 +37,20 @@ def index_for(studio: Studio, db: Database) -> CachedIndex:
         if db not in _indexes:
             if not db.run(cache.has_attribution):
                 raise AppError(f"{cache.BUILD_HINT}.")
-            _indexes[db] = db.run(cache.load_index, studio.model.lm_head.weight)
+            _indexes[db] = db.run(_load_index, db.path, studio.model.lm_head.weight)
         return _indexes[db]
+
+
+def _load_index(con, path, output_embeddings) -> CachedIndex:
+    """Memory-mapped from the user's cache folder (written there on first use; a large cache then costs the pages
+    a click touches), or into memory where that folder cannot be written."""
+    try:
+        folder = cache.index_folder_for(path)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        logger.warning("no folder for the memory-mapped attribution index (%s): loading it into memory", err)
+        return cache.load_index(con, output_embeddings)
+    return cache.load_index(con, output_embeddings, folder=folder)
 
 
 def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:

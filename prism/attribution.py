@@ -555,19 +555,24 @@ class CachedIndex:
         scale = w.coactivation_diag[read][:, None] * w.output_values[None] + w.damping  # (m, d)
         q = ((x * scale.sqrt()) @ self.basis).numpy()  # (m, r): the smooth part's query vectors
         h = x @ w.output_vectors.T  # (m, d): the preconditioned query in model coordinates
-        total = np.zeros(self.n_sequences, np.float64)
-        parts: dict[int, np.ndarray] = {}
-        for j, pid in enumerate(read.tolist()):
-            lo, hi = self.offsets[pid], self.offsets[pid + 1]
-            part = np.zeros(self.n_sequences, np.float64)
-            part[self.sequence_ids[lo:hi]] = self.vectors[lo:hi] @ q[j]
-            elo, ehi = self.entry_offsets[lo], self.entry_offsets[hi]
-            targets, inverse = np.unique(self.entry_targets[elo:ehi], return_inverse=True)
-            dots = (self.output_embeddings[torch.from_numpy(targets)] @ h[j]).numpy()  # h_i . W[y]
-            part -= np.bincount(self.entry_sequence[elo:ehi], self.entry_activations[elo:ehi] * dots[inverse],
-                                minlength=self.n_sequences)
-            parts[pid] = part
-            total += part
+        n = self.n_sequences
+        parts_matrix = np.zeros((len(read), n), np.float64)  # row j: read prototype j's share
+        spans = [(int(self.offsets[p]), int(self.offsets[p + 1])) for p in read.tolist()]
+        for j, (lo, hi) in enumerate(spans):  # the smooth part: one matrix-vector product per prototype
+            parts_matrix[j, self.sequence_ids[lo:hi]] = self.vectors[lo:hi] @ q[j]
+        # the one-hot part, every read prototype at once: sum over its entries a (h_j . W[y]) into (j, sequence)
+        entry_spans = [(int(self.entry_offsets[lo]), int(self.entry_offsets[hi])) for lo, hi in spans]
+        sizes = np.array([b - a for a, b in entry_spans], np.int64)
+        if sizes.sum():
+            where = np.concatenate([np.arange(a, b) for a, b in entry_spans])
+            targets, inverse = np.unique(self.entry_targets[where], return_inverse=True)
+            dots = (self.output_embeddings[torch.from_numpy(targets)] @ h.T).numpy()  # (|targets|, m)
+            owner = np.repeat(np.arange(len(read)), sizes)
+            weights = self.entry_activations[where] * dots[inverse, owner]
+            parts_matrix -= np.bincount(owner * n + self.entry_sequence[where], weights,
+                                        minlength=len(read) * n).reshape(len(read), n)
+        parts = {pid: parts_matrix[j] for j, pid in enumerate(read.tolist())}
+        total = parts_matrix.sum(0)
         return total, parts
 
 

@@ -384,12 +384,14 @@ def test_bench_runs_end_to_end_on_a_tiny_model(setup, tmp_path, capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(line) == json.loads(json.dumps(result))
     for key in ("cached_query_ms", "cached_product_ms", "cached_build_s", "cached_load_s", "cached_peak_rss_mb",
+                "cached_click_ms", "cached_text_ms", "speedup_click",
                 "ekfac_query_ms", "ekfac_fit_s", "ekfac_peak_rss_mb", "reference_s", "states_s", "speedup",
                 "memory_ratio", "top10_overlap", "top10_overlap_ekfac_reference"):
         assert key in result and result[key] is not None and result[key] >= 0, key
     assert result["n_train"] == 40 and result["n_queries"] == 4 and result["rank"] == 8
     assert result["speedup"] == pytest.approx(result["ekfac_query_ms"] / result["cached_query_ms"])
     assert 0 <= result["top10_overlap"] <= 1 and result["cached_product_ms"] <= result["cached_query_ms"]
+    assert result["cached_product_ms"] + result["cached_text_ms"] <= result["cached_click_ms"]
     assert set(result["goals_met"]) == {"speedup", "memory", "top10_overlap"}
     assert not (tmp_path / "w").exists()  # scratch removed
 
@@ -448,3 +450,132 @@ def test_cached_index_sorts_rows_and_scores_sparsely():
     scores, parts = index.scores(torch.tensor([2]), torch.tensor([[1.0, 0.0, 2.0, 4.0]]))
     # sequence 0: vector e_2 . h = 2, minus 1.0 * h[1] + 2.0 * h[2] = 4; sequence 1: e_0 . h - 0.5 * h[3] = -1
     assert scores.tolist() == [-2.0, -1.0, 0.0] and list(parts) == [2]
+
+
+def test_cached_index_reads_several_prototypes_at_once():
+    """Two prototypes read in one query: each share is its own rows' projected part minus its own entries, and
+    the shares add up to the scores (the product gathers every read prototype's entries in one pass)."""
+    from prism.attribution import BlockWhitening
+
+    d = 4
+    whitening = BlockWhitening(torch.eye(d), torch.ones(d), torch.zeros(3), damping=1.0)
+    index = CachedIndex(whitening, torch.eye(d), np.array([2, 0, 2, 1]), np.array([1, 0, 0, 2]),
+                        np.eye(4, dtype=np.float32), entry_counts=np.array([1, 0, 2, 1]),
+                        entry_targets=np.array([3, 1, 2, 0]), entry_activations=np.array([0.5, 1.0, 2.0, 3.0]),
+                        output_embeddings=torch.eye(d), n_sequences=3, n_prototypes=3, mode="block")
+    scores, parts = index.scores(torch.tensor([2, 0]), torch.tensor([[1.0, 0.0, 2.0, 4.0], [3.0, 5.0, 7.0, 11.0]]))
+    # prototype 0 has one row (sequence 0, vector e_1, no entries): h_0[1] = 5 on sequence 0
+    assert parts[0].tolist() == [5.0, 0.0, 0.0] and parts[2].tolist() == [-2.0, -1.0, 0.0]
+    assert scores.tolist() == [3.0, -1.0, 0.0]
+
+
+def test_memory_mapped_index_equals_the_in_memory_one(loaded, tmp_path):
+    model, con = loaded["model"], loaded["con"]
+    in_memory = cache.load_index(con, model.lm_head.weight)
+    folder = tmp_path / "index"
+    mapped = cache.load_index(con, model.lm_head.weight, folder=folder, batch_rows=7)  # many small batches
+    assert isinstance(mapped.vectors.base, np.memmap) or isinstance(mapped.vectors, np.memmap)
+    for name in ("prototype_ids", "sequence_ids", "vectors", "offsets", "entry_offsets", "entry_sequence",
+                 "entry_targets", "entry_activations"):
+        np.testing.assert_array_equal(getattr(mapped, name), getattr(in_memory, name), err_msg=name)
+    # the in-memory rows are the database's own, in (prototype, sequence) order
+    expected = con.execute("SELECT prototype_id, sequence_id, vector, activations FROM attribution_vectors "
+                           "ORDER BY prototype_id, sequence_id").fetchall()
+    assert in_memory.prototype_ids.tolist() == [r[0] for r in expected]
+    np.testing.assert_array_equal(in_memory.vectors, np.asarray([r[2] for r in expected], np.float32))
+    np.testing.assert_array_equal(in_memory.entry_activations,
+                                  np.asarray([a for r in expected for a in r[3]], np.float32))
+    _, queries = _planted_queries(loaded)
+    for q in queries[:3]:
+        query = query_gradient(model, q.prefix(), q.position, q.token)
+        np.testing.assert_array_equal(mapped.scores(*query)[0], in_memory.scores(*query)[0])
+    # a second open reuses the folder; an incomplete one (a file missing) is written again
+    stamps = {p: p.stat().st_mtime_ns for p in folder.iterdir()}
+    cache.load_index(con, model.lm_head.weight, folder=folder)
+    assert {p: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
+    (folder / "vectors.npy").unlink()
+    again = cache.load_index(con, model.lm_head.weight, folder=folder)
+    np.testing.assert_array_equal(again.vectors, in_memory.vectors)
+    assert not list(tmp_path.glob("index.tmp-*"))
+
+
+def test_index_folders_follow_the_database_file(built, tmp_path):
+    db = tmp_path / "copy.duckdb"
+    shutil.copy(built, db)
+    first = cache.index_folder_for(db, root=tmp_path / "cache")
+    assert first == cache.index_folder_for(db, root=tmp_path / "cache")  # the same file, the same folder
+    first.mkdir(parents=True)
+    (first / "source.txt").write_text(str(db.resolve()))
+    os.utime(db, ns=(db.stat().st_atime_ns, db.stat().st_mtime_ns + 10**9))  # the database was rebuilt
+    second = cache.index_folder_for(db, root=tmp_path / "cache")
+    assert second != first and not first.exists()  # the older version's folder is gone
+    second.mkdir()
+    (second / "source.txt").write_text(str(db.resolve()))
+    other = tmp_path / "other.duckdb"
+    shutil.copy(built, other)
+    db.unlink()  # a database that no longer exists: its folder goes when any other is looked up
+    cache.index_folder_for(other, root=tmp_path / "cache")
+    assert not second.exists()
+
+
+def test_scaling_fits_and_extrapolation_recover_the_laws_they_are_given():
+    from bench.attribution_scaling import extrapolate, power_law
+
+    n = [100.0, 400.0, 1600.0]
+    c, p = power_law(n, [3.0 * x ** 0.7 for x in n])
+    assert c == pytest.approx(3.0) and p == pytest.approx(0.7)
+    lines = [{"n_train": 100, "ekfac_query_ms": 50.0 + 2.0 * 100, "cached_query_ms": 5.0},
+             {"n_train": 200, "ekfac_query_ms": 50.0 + 2.0 * 200, "cached_query_ms": 5.0},
+             {"n_train": 800, "cached_query_ms": 10.0}]
+    extrapolate(lines)
+    assert "ekfac_query_ms_extrapolated" not in lines[0]  # measured sizes keep their measured numbers only
+    assert lines[2]["ekfac_query_ms_extrapolated"] == pytest.approx(50.0 + 2.0 * 800)
+    assert lines[2]["speedup_extrapolated"] == pytest.approx((50.0 + 2.0 * 800) / 10.0)
+    assert lines[2]["ekfac_extrapolated_from"] == [100, 200]
+
+
+@pytest.mark.slow
+def test_scaling_bench_runs_each_size_and_resumes(setup, tmp_path, capsys):
+    scaling = importlib.import_module("bench.attribution_scaling")
+    base = tmp_path / "base.duckdb"
+    duckdb.connect(str(base)).close()  # an empty precompute database: each size copies it and builds its cache
+    argv = ["--model", setup["model"], "--base-db", str(base), "--corpus", setup["corpus"], "--sizes", "24,12",
+            "--ekfac-max", "12", "--seq-len", str(SEQ), "--n-queries", "3", "--ekfac-queries", "3", "--out",
+            str(tmp_path / "out"), "--plot", str(tmp_path / "scaling.png"), "--", "--rank", "8", "--batch-size", "4",
+            "--peer-layers", "1"]
+    result = scaling.main(argv)
+    lines = [json.loads(t) for t in (tmp_path / "out" / "scaling.jsonl").read_text().splitlines()]
+    assert [line["n_train"] for line in lines] == [12, 24] == result["sizes"]
+    assert lines[0]["speedup"] == pytest.approx(lines[0]["ekfac_query_ms"] / lines[0]["cached_query_ms"])
+    assert "ekfac_query_ms" not in lines[1] and result["largest_ekfac_size"] == 12
+    assert result["lines"][1]["ekfac_query_ms_extrapolated"] == pytest.approx(24 / 12 * lines[0]["ekfac_query_ms"])
+    assert set(result["fits"]) == {"cached", "reference"}  # EK-FAC ran at one size: no fit
+    for line in lines:  # each size's database holds a cache over exactly its own training sequences
+        con = duckdb.connect(str(tmp_path / "out" / f"n{line['n_train']}.duckdb"), read_only=True)
+        assert con.execute("SELECT count(*) FROM attribution_sequences").fetchone()[0] == line["n_train"]
+        con.close()
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a rerun measures nothing again: every level of every size is resumed from its work folder
+    again = scaling.main(argv)
+    assert again["lines"] == result["lines"]
+    capsys.readouterr()
+
+
+def test_window_offsets_equal_the_whole_documents_tokenization(loaded):
+    """The highlight's character offsets come from tokenizing the window alone when that gives the job's tokens;
+    either way (and when the check fails, forced here by a wrong recorded token) they are the offsets of the
+    document's own tokenization."""
+    from precompute.attribution.cache import window_offsets
+
+    con, tok = loaded["con"], loaded["tokenizer"]
+    targets: dict[int, dict[int, int]] = {}
+    for sid, positions, ids in con.execute("SELECT sequence_id, token_positions, target_ids FROM attribution_vectors"
+                                           ).fetchall():
+        targets.setdefault(sid, {}).update(zip(positions, ids))
+    for row, ids in zip(loaded["rows"], loaded["sequences"]):
+        text = cache.document_text(row["doc_id"], row["text"], row["sha256"])
+        full = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        want = [tuple(o) for o in full[row["seq_token_start"]: row["seq_token_end"]]]
+        assert [tuple(o) for o in window_offsets(text, tok, row, targets.get(row["sequence_id"], {}))] == want
+        wrong = {0: (int(ids[1]) + 1) % loaded["model"].vocab_size}
+        assert [tuple(o) for o in window_offsets(text, tok, row, wrong)] == want

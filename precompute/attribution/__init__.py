@@ -34,6 +34,7 @@ from precompute.attribution.cache import (
     attribution_rows,
     document_text,
     has_attribution,
+    index_folder_for,
     load_curvature,
     load_factors,
     load_index,
@@ -51,5 +52,5 @@ from precompute.attribution.job import (
 )
 
 __all__ = ["BUILD_HINT", "JOB", "KILL_HOOK", "NAME", "AttributionArgs", "add_arguments", "attribution_args",
-           "attribution_rows", "document_text", "has_attribution", "load_curvature", "load_factors", "load_index",
-           "run", "sequence_token_ids", "sequences", "work_folder"]
+           "attribution_rows", "document_text", "has_attribution", "index_folder_for", "load_curvature",
+           "load_factors", "load_index", "run", "sequence_token_ids", "sequences", "work_folder"]

@@ -9,7 +9,11 @@ job wrote (its factors, the in-memory index, training sequences with their docum
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -68,43 +72,133 @@ def load_curvature(con: duckdb.DuckDBPyConnection, factors: dict[str, np.ndarray
 
 
 def load_index(con: duckdb.DuckDBPyConnection, output_embeddings: torch.Tensor, mode: str = "coupled",
-               extra: int | None = None, coverage: float = 0.99, batch_rows: int = 1 << 16) -> CachedIndex:
-    """Every cached vector and entry in memory, grouped by prototype (what a query reads); streamed from the
-    database in batches into preallocated arrays, so loading never holds two copies. output_embeddings: the
-    model's LM head weight W (V, d)."""
+               extra: int | None = None, coverage: float = 0.99, batch_rows: int = 1 << 16,
+               folder: str | Path | None = None) -> CachedIndex:
+    """Every cached vector and entry, grouped by prototype (what a query reads). output_embeddings: the model's LM
+    head weight W (V, d).
+
+    folder=None: loaded into memory. folder=a path: the arrays are written there once as .npy files (made in a
+    temporary folder and renamed, so a crash leaves nothing half-written) and memory-mapped, so opening the cache
+    costs the pages a query touches, not the whole index (2.1 GB of vectors for 24,576 sequences of 64 tokens);
+    a folder already holding them is reused. Either way the rows are streamed from the database in batches and
+    scattered to their sorted place (no ORDER BY over the whole table, no second copy)."""
     if not has_attribution(con):
         raise LookupError(BUILD_HINT)
     factors = load_factors(con)
     whitening, basis = index_parts(factors)
-    rank = basis.shape[1]
-    n_rows, n_entries = con.execute("SELECT count(*), coalesce(sum(len(activations)), 0) "
-                                    "FROM attribution_vectors").fetchone()
-    prototype_ids, sequence_ids = np.empty(n_rows, np.int64), np.empty(n_rows, np.int64)
-    vectors, counts = np.empty((n_rows, rank), np.float32), np.empty(n_rows, np.int64)
-    targets, activations = np.empty(n_entries, np.int64), np.empty(n_entries, np.float32)
-    cursor = con.cursor()  # a relation streams from a connection with no other result pending
-    try:
-        reader = cursor.sql("SELECT prototype_id, sequence_id, vector, activations, target_ids "
-                            "FROM attribution_vectors ORDER BY prototype_id, sequence_id").to_arrow_reader(batch_rows)
-        row = entry = 0
-        for batch in reader:
-            n = batch.num_rows
-            prototype_ids[row: row + n] = batch.column(0).to_numpy()
-            sequence_ids[row: row + n] = batch.column(1).to_numpy()
-            vectors[row: row + n] = batch.column(2).flatten().to_numpy(zero_copy_only=False).reshape(n, rank)
-            acts = batch.column(3)
-            counts[row: row + n] = np.diff(acts.offsets.to_numpy())
-            m = int(counts[row: row + n].sum())
-            activations[entry: entry + m] = acts.flatten().to_numpy(zero_copy_only=False)
-            targets[entry: entry + m] = batch.column(4).flatten().to_numpy(zero_copy_only=False)
-            row, entry = row + n, entry + m
-    finally:
-        cursor.close()
+    if folder is None:
+        arrays = _read_index_arrays(con, int(basis.shape[1]), lambda name, shape, dtype: np.empty(shape, dtype),
+                                    batch_rows)
+    else:
+        arrays = _index_folder(con, Path(folder), int(basis.shape[1]), batch_rows, _database_path(con))
     n_sequences = con.execute("SELECT count(*) FROM attribution_sequences").fetchone()[0]
     coupling = load_curvature(con, factors) if mode == "coupled" else None
-    return CachedIndex(whitening, basis, prototype_ids, sequence_ids, vectors, counts, targets, activations,
-                       output_embeddings, n_sequences, len(factors["coactivation"]), coupling=coupling, mode=mode,
-                       extra=extra, coverage=coverage)
+    return CachedIndex(whitening, basis, arrays["prototype_ids"], arrays["sequence_ids"], arrays["vectors"],
+                       arrays["counts"], arrays["targets"], arrays["activations"], output_embeddings, n_sequences,
+                       len(factors["coactivation"]), coupling=coupling, mode=mode, extra=extra, coverage=coverage)
+
+
+def _database_path(con: duckdb.DuckDBPyConnection) -> Path | None:
+    """The file behind the connection's database (written beside a memory-mapped index so stale ones can go)."""
+    row = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
+    return Path(row[0]).resolve() if row and row[0] else None
+
+
+INDEX_ARRAYS = ("prototype_ids", "sequence_ids", "vectors", "counts", "targets", "activations")
+
+
+def _read_index_arrays(con: duckdb.DuckDBPyConnection, rank: int, allocate, batch_rows: int) -> dict[str, np.ndarray]:
+    """The index's arrays sorted by (prototype, sequence), entries row after row, into arrays from
+    allocate(name, shape, dtype). Two passes: the keys and entry counts of every row (by rowid), then the vectors
+    and entries, each scattered to its row's sorted position."""
+    cursor = con.cursor()  # a relation streams from a connection with no other result pending
+    try:
+        keys = cursor.sql("SELECT rowid, prototype_id, sequence_id, len(activations) AS n FROM attribution_vectors"
+                          ).fetchnumpy()
+        rowid = np.asarray(keys["rowid"], np.int64)
+        prototype_ids, sequence_ids = (np.asarray(keys[c], np.int64) for c in ("prototype_id", "sequence_id"))
+        counts = np.asarray(keys["n"], np.int64)
+        order = np.lexsort((sequence_ids, prototype_ids))
+        destination = np.zeros(int(rowid.max()) + 1 if len(rowid) else 0, np.int64)  # rowid -> sorted row
+        destination[rowid[order]] = np.arange(len(order))
+        n_rows, n_entries = len(order), int(counts.sum())
+        out = {"prototype_ids": allocate("prototype_ids", (n_rows,), np.int64),
+               "sequence_ids": allocate("sequence_ids", (n_rows,), np.int64),
+               "vectors": allocate("vectors", (n_rows, rank), np.float32),
+               "counts": allocate("counts", (n_rows,), np.int64),
+               "targets": allocate("targets", (n_entries,), np.int64),
+               "activations": allocate("activations", (n_entries,), np.float32)}
+        out["prototype_ids"][:] = prototype_ids[order]
+        out["sequence_ids"][:] = sequence_ids[order]
+        out["counts"][:] = counts[order]
+        entry_start = np.zeros(n_rows + 1, np.int64)
+        np.cumsum(out["counts"], out=entry_start[1:])
+        del keys, prototype_ids, sequence_ids, counts, order
+        reader = cursor.sql("SELECT rowid, vector, activations, target_ids FROM attribution_vectors"
+                            ).to_arrow_reader(batch_rows)
+        for batch in reader:
+            rows = destination[batch.column(0).to_numpy()]
+            n = len(rows)
+            out["vectors"][rows] = batch.column(1).flatten().to_numpy(zero_copy_only=False).reshape(n, rank)
+            acts = batch.column(2)
+            sizes = np.diff(acts.offsets.to_numpy()).astype(np.int64)
+            local = np.repeat(np.cumsum(sizes) - sizes, sizes)  # each entry's row start within the batch
+            where = np.repeat(entry_start[rows], sizes) + (np.arange(int(sizes.sum())) - local)
+            out["activations"][where] = acts.flatten().to_numpy(zero_copy_only=False)
+            out["targets"][where] = batch.column(3).flatten().to_numpy(zero_copy_only=False)
+    finally:
+        cursor.close()
+    return out
+
+
+def _index_folder(con: duckdb.DuckDBPyConnection, folder: Path, rank: int, batch_rows: int,
+                  source: Path | None = None) -> dict[str, np.ndarray]:
+    """The index's arrays memory-mapped from folder, written there first unless it already holds them."""
+    if not all((folder / f"{name}.npy").is_file() for name in INDEX_ARRAYS):
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            arrays = _read_index_arrays(
+                con, rank, lambda name, shape, dtype: np.lib.format.open_memmap(tmp / f"{name}.npy", "w+", dtype,
+                                                                                shape), batch_rows)
+            for a in arrays.values():
+                a.flush()
+            (tmp / "source.txt").write_text(str(source) if source else "")
+            del arrays
+            shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder (a crash before this rename)
+            try:
+                tmp.rename(folder)
+            except OSError:  # another process finished the same folder first
+                if not all((folder / f"{name}.npy").is_file() for name in INDEX_ARRAYS):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in INDEX_ARRAYS}
+
+
+def index_folder_for(db_path: str | Path, root: str | Path | None = None) -> Path:
+    """Where the app keeps a database's memory-mapped index: ROOT/attribution-index/<path hash>-<version hash>
+    (ROOT: prism.backbones.cache_dir()), the version from the file's size and modification time, so a rebuilt
+    database gets a new folder; folders of the same path's older versions are removed."""
+    from prism.backbones import cache_dir
+
+    db_path = Path(db_path).resolve()
+    stat = db_path.stat()
+    base = Path(root) if root is not None else cache_dir()
+    where = hashlib.sha256(str(db_path).encode()).hexdigest()[:16]
+    version = hashlib.sha256(f"{INDEX_FORMAT}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = base / "attribution-index" / f"{where}-{version}"
+    if folder.parent.is_dir():  # drop folders of this path's older versions and of databases that are gone
+        for old in folder.parent.iterdir():
+            source = old / "source.txt"
+            gone = source.is_file() and not Path(source.read_text()).exists()
+            if old != folder and ".tmp-" not in old.name and (old.name.startswith(f"{where}-") or gone):
+                shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+INDEX_FORMAT = 1  # raise when the folder's arrays change meaning
 
 
 def sequences(con: duckdb.DuckDBPyConnection) -> list[dict]:
@@ -153,7 +247,7 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
     proto_ids = sorted(parts)
     where = ", ".join("?" for _ in proto_ids) or "NULL"
     active = con.execute(f"""
-        SELECT sequence_id, prototype_id, token_positions, activations FROM attribution_vectors
+        SELECT sequence_id, prototype_id, token_positions, activations, target_ids FROM attribution_vectors
         WHERE sequence_id IN ({marks}) AND prototype_id IN ({where})""",
                          [int(s) for s in sequence_ids] + proto_ids).fetchall()
     out = []
@@ -166,11 +260,13 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
             error = str(err)
         shares = {p: float(parts[p][sid]) for p in proto_ids}
         weight: dict[int, float] = {}  # token position in the sequence -> highlight weight
-        for s, p, positions, acts in active:
+        targets: dict[int, int] = {}  # token position -> the token that follows it (what the cache recorded)
+        for s, p, positions, acts, target_ids in active:
             if s == sid:
-                for pos, act in zip(positions, acts):
+                for pos, act, target in zip(positions, acts, target_ids):
                     weight[pos] = weight.get(pos, 0.0) + float(act) * max(shares[p], 0.0)
-        segments = [] if text is None else _highlight(text, tokenizer, row, weight, context_chars)
+                    targets[pos] = target
+        segments = [] if text is None else _highlight(text, tokenizer, row, weight, context_chars, targets)
         out.append({**row, "rank": rank, "score": float(scores[sid]),
                     "prototypes": [{"prototype_id": p, "contribution": shares[p]}
                                    for p in sorted(proto_ids, key=lambda p: -shares[p])],
@@ -178,11 +274,27 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
     return out
 
 
-def _highlight(text: str, tokenizer, row: dict, weight: dict[int, float], context_chars: int) -> list[dict]:
+def window_offsets(text: str, tokenizer, row: dict, targets: dict[int, int]) -> list[tuple[int, int]]:
+    """Character offsets in `text` of the sequence's tokens (seq_token_start..seq_token_end of the document's
+    tokenization). Tokenizing only the sequence's characters is enough when it gives the same tokens: as many, and
+    at every position the cache recorded, the same next token (`targets`: position -> token id); otherwise (a
+    window that starts inside a word can split differently) the whole document is tokenized, as the job did. A
+    long document costs tens of milliseconds to tokenize, its window well under one."""
+    n = row["seq_token_end"] - row["seq_token_start"]
+    lo, hi = row["char_start"], row["char_end"]
+    enc = tokenizer(text[lo:hi], add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if len(ids) == n and all(ids[p + 1] == t for p, t in targets.items() if p + 1 < n):
+        return [(a + lo, b + lo) for a, b in enc["offset_mapping"]]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["offset_mapping"][row["seq_token_start"]: row["seq_token_end"]]
+
+
+def _highlight(text: str, tokenizer, row: dict, weight: dict[int, float], context_chars: int,
+               targets: dict[int, int] | None = None) -> list[dict]:
     """The sequence's text as segments {text, activation in [0, 1], target}: tokens weighted by `weight`, the
     heaviest one the target, cut to context_chars around the highlighted tokens."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"][row["seq_token_start"]: row["seq_token_end"]]
+    offsets = window_offsets(text, tokenizer, row, targets or {})
     lo_char, hi_char = row["char_start"], row["char_end"]
     top = max(weight.values(), default=0.0)
     if top > 0:
