@@ -9,8 +9,9 @@ Steps (the paper's goals: cached >= 470x faster per query than EK-FAC at no more
    holds the job is used as it is (its own sequences and settings) unless --rebuild.
 2. shared inputs, in --work: the training sequences' token ids (read back from the database, so every level sees
    the same sequences), --n-queries queries (a prompt cut from a document the cache does not hold, and the model's
-   greedy token after it: a generated token, as in the app), and the hidden states entering the first trainable
-   layer for every training sequence (one pass of the frozen layers: states_s).
+   greedy token after it: a generated token, as in the app), and, only for the levels that run the trainable
+   layers themselves, the hidden states entering the first trainable layer for every training sequence (one pass
+   of the frozen layers: states_s).
 3. the levels, each in its own process so its peak RSS is its own (ru_maxrss of that process):
    cached    the query's forward pass, its k gradient rows and the sparse product, per query (cached_query_ms);
              a click in the app (cached_click_ms): the gradient rows from the state kept during generation, the
@@ -20,7 +21,10 @@ Steps (the paper's goals: cached >= 470x faster per query than EK-FAC at no more
              over query batches of --ekfac-query-batch: every batch is one pass over the training sequences, so
              one query asked alone costs about a whole pass and a larger batch costs less per query, as long as
              its preconditioned gradients fit in memory);
-   reference exact gradients with the full coupled curvature (reference_s, all queries).
+   reference exact gradients with the full coupled curvature (reference_s, all queries), from the per-token
+             files (z, e, active prototypes) the cache build's fit pass kept when this bench built the cache
+             (precompute.attribution KEEP_HOOK), else by running the trainable layers over every sequence
+             (reference_source says which; the test suite checks both give the same scores).
 Prints one JSON line: latencies, one-off costs, the speed-up (ekfac_query_ms / cached_query_ms), peak RSS of each,
 and the mean top-10 overlap of cached vs reference (and of EK-FAC vs reference, for scale).
 
@@ -165,20 +169,74 @@ def prepare(ns, work: Path) -> dict:
     offsets = _offsets(train_ids)
     np.savez(work / "train.npz", ids=np.concatenate(train_ids), offsets=offsets)
     (work / "queries.json").write_text(json.dumps([q.__dict__ for q in queries]))
-    t0 = time.perf_counter()
-    with (work / "states.f32").open("wb") as f:
-        for lo in range(0, len(train_ids), ns.batch_size):
-            part = train_ids[lo: lo + ns.batch_size]
-            ids, mask = pad_batch(part)
-            states = model.states_before_layer(ids, layer, attention_mask=mask)  # (B, T, d)
-            for b, s in enumerate(part):
-                f.write(states[b, : len(s)].float().numpy().tobytes())
     meta = {"start_layer": layer, "n_layers": model.n_layers, "query_source": source, "rank": rank,
-            "states_s": time.perf_counter() - t0, "n_train": len(train_ids), "train_tokens": int(offsets[-1]),
+            "states_s": None, "n_train": len(train_ids), "train_tokens": int(offsets[-1]),
             "n_queries": len(queries), "seq_len": max(len(s) for s in train_ids), "d_model": model.d_model,
             "n_prototypes": model.config.n_prototypes, "top_k": model.config.top_k}
     (work / "meta.json").write_text(json.dumps(meta))
     return meta
+
+
+@torch.no_grad()
+def ensure_states(ns, work: Path) -> dict:
+    """The hidden states entering the first trainable layer for every training sequence (WORK/states.f32), for
+    the levels that run the trainable layers themselves (EK-FAC; the reference without the job's token files);
+    kept when already complete. Returns the updated meta (states_s: the pass's time)."""
+    meta = json.loads((work / "meta.json").read_text())
+    path = work / "states.f32"
+    if meta.get("states_s") is not None and path.is_file() and \
+            path.stat().st_size == meta["train_tokens"] * meta["d_model"] * 4:
+        return meta
+    model, _ = _load_model(ns.model)
+    _, train, _, _ = _inputs(work)
+    t0 = time.perf_counter()
+    with path.open("wb") as f:
+        for lo in range(0, len(train), ns.batch_size):
+            part = train[lo: lo + ns.batch_size]
+            ids, mask = pad_batch(part)
+            states = model.states_before_layer(ids, meta["start_layer"], attention_mask=mask)  # (B, T, d)
+            for b, s in enumerate(part):
+                f.write(states[b, : len(s)].float().numpy().tobytes())
+    meta["states_s"] = time.perf_counter() - t0
+    (work / "meta.json").write_text(json.dumps(meta))
+    return meta
+
+
+def kept_tokens(ns, train: list[np.ndarray]) -> Path | None:
+    """The attribution job's per-token files for this database (kept by KEEP_HOOK) if they hold exactly these
+    training sequences' target tokens, else None."""
+    kept = cache.kept_tokens_folder(Path(ns.db))
+    try:
+        meta = json.loads((kept / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n_tokens = sum(len(s) - 1 for s in train)
+    size_ok = (kept / "z.bin").is_file() and (kept / "z.bin").stat().st_size == n_tokens * meta["d_model"] * 4
+    return kept if meta["n_sequences"] == len(train) and meta["n_tokens"] == n_tokens and size_ok else None
+
+
+def reference_from_tokens(model, curvature, queries: list[Query], kept: Path, n_sequences: int,
+                          chunk: int = 1 << 15) -> np.ndarray:
+    """The reference's scores from the job's per-token files: the same exact per-sequence gradients
+    (sequence_gradients of each token's z, e and active prototypes) without running the model over the training
+    sequences again. A sequence split across two chunks adds up the same (the scorer accumulates by index)."""
+    from precompute.attribution.job import TokenFiles
+    from prism.attribution import ReferenceScorer, TokenStats, sequence_gradients
+
+    meta = json.loads((kept / "meta.json").read_text())
+    files = TokenFiles(kept, meta["d_model"], meta["top_k"])
+    grads = [query_gradient(model, q.prefix(), q.position, q.token) for q in queries]
+    scorer = ReferenceScorer(curvature, grads, n_sequences, model.config.n_prototypes)
+    empty = torch.zeros(0)
+    for lo in range(0, meta["n_tokens"], chunk):
+        part = files.read(lo, min(lo + chunk, meta["n_tokens"]))
+        whole = {k: torch.from_numpy(v.astype(np.float32 if k in ("z", "e", "acts") else np.int64))
+                 for k, v in part.items()}
+        stats = TokenStats(z=whole["z"], e=whole["e"], m=empty, prototype_ids=whole["ids"],
+                           activations=whole["acts"], sequence=whole["seq"][:, 0], position=whole["pos"][:, 0],
+                           target=whole["y"][:, 0], loss=empty, prob_sum=empty)
+        scorer.add(sequence_gradients(model.prototypes.weight, stats))
+    return scorer.scores.numpy()
 
 
 def _inputs(work: Path):
@@ -272,9 +330,15 @@ def run_reference(ns, work: Path) -> dict:
         return z
 
     t0 = time.perf_counter()
-    scores = reference_scores(model, curvature, queries, train, ns.batch_size, final_states)
+    kept = kept_tokens(ns, train)
+    with torch.no_grad():
+        if kept is not None:
+            scores = reference_from_tokens(model, curvature, queries, kept, len(train))
+        else:
+            scores = reference_scores(model, curvature, queries, train, ns.batch_size, final_states)
     np.save(work / "reference_scores.npy", scores.astype(np.float32))
-    return {"reference_s": time.perf_counter() - t0}
+    return {"reference_s": time.perf_counter() - t0,
+            "reference_source": "the attribution job's token files" if kept is not None else "a forward pass"}
 
 
 RUNNERS = {"cached": run_cached, "ekfac": run_ekfac, "reference": run_reference}
@@ -293,9 +357,10 @@ RESUME_KEYS = PREPARE_KEYS + tuple(dict.fromkeys(k for keys in LEVEL_KEYS.values
 # Orchestration.
 
 
-def _child(argv: list[str]) -> float:
+def _child(argv: list[str], env_extra: dict[str, str] | None = None) -> float:
     """Run a command in its own process; returns its peak RSS in MB (ru_maxrss of that process)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **(env_extra or {})}
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -333,10 +398,18 @@ def ensure_cache(ns) -> dict:
     if ns.in_process:
         from precompute.attribution.__main__ import main as build_cache
 
-        build_cache(argv[2:])
+        before = os.environ.get(cache.KEEP_HOOK)
+        os.environ[cache.KEEP_HOOK] = "1"
+        try:
+            build_cache(argv[2:])
+        finally:
+            if before is None:
+                os.environ.pop(cache.KEEP_HOOK)
+            else:
+                os.environ[cache.KEEP_HOOK] = before
         rss = _self_rss_mb()
     else:
-        rss = _child(argv)
+        rss = _child(argv, {cache.KEEP_HOOK: "1"})  # the reference level reads the fit pass's token files
     return {"cached_build_s": time.perf_counter() - t0, "cached_build_peak_rss_mb": rss, "cache_reused": False}
 
 
@@ -395,7 +468,10 @@ def run(ns) -> dict:
         result.update(prepare(ns, work))
         (work / "settings.json").write_text(json.dumps(settings))  # only now is the folder worth resuming
     gc.collect()
-    for level in ns.levels.split(","):
+    levels = ns.levels.split(",")
+    if "ekfac" in levels or ("reference" in levels and kept_tokens(ns, _inputs(work)[1]) is None):
+        result.update(ensure_states(ns, work))
+    for level in levels:
         done = work / f"{level}.json"
         if resumed and done.is_file() and (work / f"{level}_scores.npy").is_file():
             ran_with = _level_settings(work, level)

@@ -43,14 +43,17 @@ from precompute.attribution.cache import (
 )
 from precompute.attribution.job import (
     JOB,
+    KEEP_HOOK,
     KILL_HOOK,
     AttributionArgs,
     add_arguments,
     attribution_args,
+    kept_tokens_folder,
     run,
     work_folder,
 )
 
-__all__ = ["BUILD_HINT", "JOB", "KILL_HOOK", "NAME", "AttributionArgs", "add_arguments", "attribution_args",
-           "attribution_rows", "document_text", "has_attribution", "index_folder_for", "load_curvature",
-           "load_factors", "load_index", "run", "sequence_token_ids", "sequences", "work_folder"]
+__all__ = ["BUILD_HINT", "JOB", "KEEP_HOOK", "KILL_HOOK", "NAME", "AttributionArgs", "add_arguments",
+           "attribution_args", "attribution_rows", "document_text", "has_attribution", "index_folder_for",
+           "kept_tokens_folder", "load_curvature", "load_factors", "load_index", "run", "sequence_token_ids",
+           "sequences", "work_folder"]

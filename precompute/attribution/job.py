@@ -49,6 +49,10 @@ logger = logging.getLogger("precompute.attribution")
 # Testing hook: "fit:N" or "vectors:N" kills this process with SIGKILL after chunk N of that pass, before the
 # chunk's checkpoint (fit) or right after its commit (vectors).
 KILL_HOOK = "PRISM_ATTRIBUTION_KILL_AT"
+# Benchmark hook: when set, the fit pass's per-token files (z, e, active prototypes, ...) are kept in
+# kept_tokens_folder(db) instead of deleted, so bench.attribution's reference level reads them instead of running
+# the model over every training sequence again. Not a job argument: it changes nothing in the database.
+KEEP_HOOK = "PRISM_ATTRIBUTION_KEEP_TOKENS"
 
 
 @dataclass
@@ -162,6 +166,19 @@ class FitState:
 
 def work_folder(db: Path) -> Path:
     return db.with_name(db.name + ".attribution")
+
+
+def kept_tokens_folder(db: Path) -> Path:
+    return Path(db).with_name(Path(db).name + ".attribution-tokens")
+
+
+def _keep_tokens(db: Path, work: Path, state: FitState, d_model: int, top_k: int) -> None:
+    """KEEP_HOOK: move the token files to kept_tokens_folder(db) with what they hold (meta.json last)."""
+    kept = kept_tokens_folder(db)
+    shutil.rmtree(kept, ignore_errors=True)
+    (work / "tokens").rename(kept)
+    (kept / "meta.json").write_text(json.dumps({"n_tokens": state.n_tokens, "n_sequences": state.n_sequences,
+                                                "d_model": d_model, "top_k": top_k}))
 
 
 def _kill_at(kind: str, chunk: int) -> None:
@@ -380,6 +397,7 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
             return None
         if status == "new":
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(kept_tokens_folder(db), ignore_errors=True)  # an earlier build's, now stale
         model.eval()
         state = run_fit(model, tokenizer, documents, args, work)
         files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
@@ -393,6 +411,8 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
         summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
                    "rows": con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0],
                    "rows_this_run": written, "rank": int(factors["basis"].shape[1])}
+        if os.environ.get(KEEP_HOOK):
+            _keep_tokens(db, work, state, model.d_model, model.config.top_k)
     finally:
         con.close()
     shutil.rmtree(work, ignore_errors=True)
