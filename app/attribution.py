@@ -47,10 +47,10 @@ def _load_index(con, path, output_embeddings) -> CachedIndex:
     try:
         folder = cache.index_folder_for(path)
         folder.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        logger.warning("no folder for the memory-mapped attribution index (%s): loading it into memory", err)
+        return cache.load_index(con, output_embeddings, folder=folder)
+    except OSError as err:  # a read-only or full disk
+        logger.warning("could not write the memory-mapped attribution index (%s): loading it into memory", err)
         return cache.load_index(con, output_embeddings)
-    return cache.load_index(con, output_embeddings, folder=folder)
 
 
 def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:
