@@ -586,3 +586,19 @@ def test_window_offsets_equal_the_whole_documents_tokenization(loaded):
         assert [tuple(o) for o in window_offsets(text, tok, row, targets.get(row["sequence_id"], {}))] == want
         wrong = {0: (int(ids[1]) + 1) % loaded["model"].vocab_size}
         assert [tuple(o) for o in window_offsets(text, tok, row, wrong)] == want
+
+
+def test_app_loads_the_index_into_memory_when_it_cannot_write_the_mapped_one(loaded, built, tmp_path, monkeypatch):
+    from app import attribution as panel
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("PRISM_CACHE", str(blocker))
+    model, con = loaded["model"], loaded["con"]
+    index = panel._load_index(con, built, model.lm_head.weight)
+    assert not isinstance(index.vectors.base, np.memmap)
+    np.testing.assert_array_equal(index.vectors, cache.load_index(con, model.lm_head.weight).vectors)
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path / "cache"))  # writable: mapped, under that folder
+    mapped = panel._load_index(con, built, model.lm_head.weight)
+    assert isinstance(mapped.vectors.base, np.memmap)
+    assert list((tmp_path / "cache" / "attribution-index").iterdir())
