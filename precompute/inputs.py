@@ -93,8 +93,8 @@ def load_corpus(spec: str):
             return corpus.iter_documents(spec)
 
     identity: dict = {"spec": spec if not Path(spec).exists() else Path(spec).name}
-    if spec == "default":
-        identity["manifest"] = corpus.default_manifest()
+    if spec in corpus.CORPORA:
+        identity["manifest"] = corpus.default_manifest(spec)
     elif Path(spec).exists():
         from prism.data import corpus_fingerprint
 

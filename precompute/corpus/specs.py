@@ -4,9 +4,9 @@
     parse_spec("HuggingFaceFW/fineweb:sample-10BT")  # CorpusSpec('hub', 'HuggingFaceFW/fineweb', 'sample-10BT')
     for doc in iter_documents("data/fineweb/", limit=100): ...
 
-A spec is 'default' (the offline corpus, default.py), a local .txt/.jsonl/.parquet file, folder or glob (read by
-prism/data.py, the reader training uses, so evidence points at the documents a model trained on) or a hub dataset
-id with an optional config (hub.py). A local path of the same name wins over a hub id.
+A spec is 'default' or 'default-v2' (the offline corpora, default.py), a local .txt/.jsonl/.parquet file, folder
+or glob (read by prism/data.py, the reader training uses, so evidence points at the documents a model trained on) or
+a hub dataset id with an optional config (hub.py). A local path of the same name wins over a hub id.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from precompute.corpus.default import DEFAULT, default_documents
+from precompute.corpus.default import CORPORA, default_documents
 from precompute.corpus.hub import iter_hf_dataset
 from prism.data import SUFFIXES, Document, read_documents
 
@@ -41,8 +41,8 @@ def parse_spec(spec: str) -> CorpusSpec:
     if not spec:
         raise ValueError("no corpus given: use 'default', a local .txt/.jsonl/.parquet file, folder or glob, "
                          "or a hub dataset id such as HuggingFaceFW/fineweb[:config]")
-    if spec == DEFAULT:
-        return CorpusSpec("default", DEFAULT)
+    if spec in CORPORA:
+        return CorpusSpec("default", spec)
     path = Path(spec).expanduser()
     if path.exists() or glob.has_magic(spec):
         return CorpusSpec("local", str(path))
@@ -63,7 +63,7 @@ def iter_documents(spec: str, limit: int | None = None) -> Iterator[Document]:
         raise ValueError(f"limit must be >= 0, got {limit}")
     parsed = parse_spec(spec)
     if parsed.kind == "default":
-        docs: Iterable[Document] = default_documents()
+        docs: Iterable[Document] = default_documents(parsed.path)
     elif parsed.kind == "local":
         docs = read_documents(parsed.path)
     else:

