@@ -5,6 +5,12 @@
 Both models train the same top layers (top mode, cached lower states) on the same batches; steps alternate
 PRISM, dense, PRISM, dense, ... so machine noise hits both alike. Prints one JSON line with the median seconds per
 step of each, tokens/s, and the ratio PRISM/dense of tokens/s (the paper: 97.3% of dense throughput).
+
+    python -m bench.train_throughput ... --autocast-compare      # float32 vs --autocast bfloat16, side by side
+
+With --autocast-compare, bfloat16 copies of both models (prism.train --autocast bfloat16: products in bfloat16,
+weights and losses in float32) take steps in the same rotation, and the lower layers' forward that fills the
+hidden-state cache is timed both ways too; the line gains the speed-up of each (float32 time / bfloat16 time).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import pack, tokenize_split
-from prism.train import TrainArgs, TrainModule, _set_trainable, init_prototypes
+from prism.train import TrainArgs, TrainModule, _set_trainable, autocast, init_prototypes
 
 
 def profile_steps(module, optimizer, batches, top: int) -> list[dict]:
@@ -54,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile 2 steps of each model and report the N operators with the "
                              "most self CPU time (the table also goes to stderr)")
+    parser.add_argument("--autocast-compare", action="store_true",
+                        help="also time bfloat16 mixed precision (--autocast bfloat16) against float32: PRISM and "
+                             "dense steps, and the lower layers' forward that fills the cache")
     args = cli.parse(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,17 +84,22 @@ def main(argv: list[str] | None = None) -> dict:
         z, _ = prism.final_states(batches[0][0], start_layer=start, start_states=batches[0][1])
     init_prototypes(prism, z.reshape(-1, z.shape[-1]), seed=0)  # from real states, as prism.train does
 
+    models = {"prism": prism, "dense": dense}
+    if args.autocast_compare:
+        models.update({"prism_bf16": copy.deepcopy(prism), "dense_bf16": copy.deepcopy(dense)})
     modules, optimizers = {}, {}
-    for name, model in (("prism", prism), ("dense", dense)):
+    for name, model in models.items():
         targs = TrainArgs(corpus=args.corpus, out="-", mode="top", n_layers=args.n_layers,
-                          n_prototypes=args.n_prototypes, top_k=args.top_k, dense_baseline=name == "dense")
+                          n_prototypes=args.n_prototypes, top_k=args.top_k, dense_baseline=name.startswith("dense"),
+                          autocast="bfloat16" if name.endswith("_bf16") else "none")
         _set_trainable(model, targs)
         modules[name] = TrainModule(model, targs)
         optimizers[name] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-    times: dict[str, list[float]] = {"prism": [], "dense": []}
+    names = list(models)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for step, (ids, states) in enumerate(batches):
-        for name in ("prism", "dense") if step % 2 == 0 else ("dense", "prism"):
+        for name in names[step % len(names):] + names[:step % len(names)]:  # rotate who goes first
             t0 = time.perf_counter()
             loss, _, _ = modules[name](ids, states)
             optimizers[name].zero_grad(set_to_none=True)
@@ -106,6 +120,27 @@ def main(argv: list[str] | None = None) -> dict:
         "throughput_ratio": med["dense"] / med["prism"],
         "ratio_per_pair_median": statistics.median(d / p for p, d in zip(times["prism"], times["dense"])),
     }
+    if args.autocast_compare:
+        fill = {"none": [], "bfloat16": []}
+        bf16_args = TrainArgs(corpus=args.corpus, out="-", autocast="bfloat16")
+        for step, (ids, _) in enumerate(batches):
+            for kind in ("none", "bfloat16") if step % 2 == 0 else ("bfloat16", "none"):
+                t0 = time.perf_counter()
+                if kind == "none":
+                    prism.states_before_layer(ids, start)
+                else:
+                    with autocast(bf16_args):
+                        prism.states_before_layer(ids, start)
+                if step >= 2:
+                    fill[kind].append(time.perf_counter() - t0)
+        fill_med = {k: statistics.median(v) for k, v in fill.items()}
+        result["autocast"] = {
+            "prism_bf16_s_per_step": med["prism_bf16"], "dense_bf16_s_per_step": med["dense_bf16"],
+            "prism_speedup": med["prism"] / med["prism_bf16"], "dense_speedup": med["dense"] / med["dense_bf16"],
+            "throughput_ratio_bf16": med["dense_bf16"] / med["prism_bf16"],
+            "cache_fill_s_per_batch": fill_med["none"], "cache_fill_bf16_s_per_batch": fill_med["bfloat16"],
+            "cache_fill_speedup": fill_med["none"] / fill_med["bfloat16"],
+        }
     if args.profile:
         result["profile"] = profiles
     cli.print_json(result)

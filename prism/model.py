@@ -203,6 +203,10 @@ class _Similarities(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         zn, pn = ctx.saved_tensors
+        # Under autocast the product (and so its gradient) is bfloat16 while zn and pn are float32: multiply in the
+        # wider type (autograd casts each result back to its input's dtype).
+        dtype = torch.promote_types(torch.promote_types(zn.dtype, pn.dtype), grad.dtype)
+        grad, zn, pn = grad.to(dtype), zn.to(dtype), pn.to(dtype)
         if grad.device.type == "cpu" and grad.dtype == torch.float32:
             sparse = grad.to_sparse()
             if sparse._nnz() <= SPARSE_GRAD_MAX_DENSITY * grad.numel():

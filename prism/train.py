@@ -17,7 +17,7 @@ same arguments continues exactly where it stopped (same step, same data order, s
 arguments are refused unless --overwrite. --exit-after N stops this process after N steps so a long run can be
 spread over time-limited sessions. Dropout is off (backbones run in eval mode), so steps are deterministic.
 
-Length: about 670 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
+Length: about 720 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
 happens: arguments, distributed set-up, data and the hidden-state cache, the trained module and prototype health,
 checkpoints, the loop, the command line. Every part works on the same TrainArgs and run folder, and the resume
 guarantee (same step, data order and optimizer state) is easiest to check with all of it in view.
@@ -58,6 +58,14 @@ CHECKPOINT = "checkpoint"
 FINAL = "final"
 # Arguments that may change between a run and its resumption without changing the result.
 RESUMABLE = {"exit_after", "overwrite", "log_every", "device"}
+AUTOCAST = ("none", "bfloat16")
+
+
+def autocast(args: TrainArgs):
+    """The mixed-precision context of --autocast: matrix products in bfloat16, the rest as torch's autocast lists
+    say (on CPUs with AMX or AVX-512 BF16 a bfloat16 product runs several times faster; bench.train_throughput)."""
+    return torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16,
+                          enabled=args.autocast == "bfloat16")
 
 
 @dataclass
@@ -98,6 +106,8 @@ class TrainArgs:
     out: str = ""
     cache_dir: str | None = None  # token and hidden-state caches (default OUT/cache); share it between runs
     cache_dtype: str = "float32"  # float32 | float16 | bfloat16 for cached hidden states
+    autocast: str = "none"  # none | bfloat16: run the frozen and trained layers' products in bfloat16 (mixed
+    # precision; weights, optimizer and losses stay float32); also for the hidden-state cache, whose key records it
     checkpoint_every: int = 200
     log_every: int = 10
     exit_after: int | None = None
@@ -113,6 +123,8 @@ class TrainArgs:
             raise ValueError("--out is required")
         if self.cache_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"cache_dtype must be float32, float16 or bfloat16, got {self.cache_dtype!r}")
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
         for name in ("steps", "batch_size", "seq_len", "n_prototypes", "top_k", "checkpoint_every", "init_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -269,20 +281,24 @@ class TrainModule(nn.Module):
 
     def forward(self, ids: torch.Tensor, states: torch.Tensor | None):
         model, args = self.model, self.args
-        if args.mode == "prototypes":
-            z = states  # cached final states
-        elif args.mode == "top":
-            z, _ = model.final_states(ids, start_layer=self.start_layer, start_states=states)
-        else:
-            z, _ = model.final_states(ids)
+        with autocast(args):
+            if args.mode == "prototypes":
+                z = states  # cached final states
+            elif args.mode == "top":
+                z, _ = model.final_states(ids, start_layer=self.start_layer, start_states=states)
+            else:
+                z, _ = model.final_states(ids)
+            if args.dense_baseline:
+                logits = model.lm_head(z)  # (B, T, V)
+            else:
+                out = model.head(z, return_sims=True)
+        # the losses in float32 whatever the products ran in
         if args.dense_baseline:
-            logits = model.lm_head(z)  # (B, T, V)
-            ce = ce_loss(logits, ids)
+            ce = ce_loss(logits.float(), ids)
             return ce, {"ce": ce}, None
-        out = model.head(z, return_sims=True)
         cfg = model.config
-        loss, losses = prism_loss(out.logits, ids, z, out.z_hat, out.sims, cfg.lambda_rec, cfg.lambda_r1,
-                                  cfg.lambda_r2)
+        loss, losses = prism_loss(out.logits.float(), ids, z.float(), out.z_hat.float(), out.sims.float(),
+                                  cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2)
         return loss, losses, out
 
 
@@ -546,13 +562,13 @@ def _train_step(ddp, module, optimizer, scheduler, blocks, cache, idx, args, usa
                              metrics=metrics)
     if out is not None:
         with torch.no_grad():
-            z, r = out.z.detach(), out.residual.detach()
+            z, r = out.z.detach().float(), out.residual.detach().float()
             active = out.activations > 0
             metrics["fve"] = float(1 - r.pow(2).sum() / (z - z.mean((0, 1))).pow(2).sum())
             metrics["mean_active"] = float(active.sum(-1).float().mean())
-            metrics["r2_coverage"] = float(out.sims.max(-1).values.mean())
+            metrics["r2_coverage"] = float(out.sims.max(-1).values.float().mean())
             usage += torch.bincount(out.prototype_ids[active].flatten().cpu(), minlength=usage.numel()).float()
-        result.z, result.z_hat = z.reshape(-1, z.shape[-1]), out.z_hat.detach().reshape(-1, z.shape[-1])
+        result.z, result.z_hat = z.reshape(-1, z.shape[-1]), out.z_hat.detach().float().reshape(-1, z.shape[-1])
     return result
 
 
@@ -573,17 +589,20 @@ def _build_state_cache(model, args, blocks, rank, world) -> StateCache | None:
     layer = _cache_layer(model, args) if args.mode == "top" else model.n_layers
     # The backbone is still untouched here (a checkpoint loads later), so its whole fingerprint names the states;
     # runs that train different layers above `layer` share the cache.
+    # (--autocast joins the key only when on, so float32 caches made before it existed keep their names)
     key = hashlib.sha256(json.dumps([args.backbone, model.backbone_fingerprint(), layer, blocks.shape,
-        int(hashlib.sha256(blocks.tobytes()).hexdigest()[:12], 16), args.cache_dtype]).encode()).hexdigest()[:16]
+        int(hashlib.sha256(blocks.tobytes()).hexdigest()[:12], 16), args.cache_dtype]
+        + ([args.autocast] if args.autocast != "none" else [])).encode()).hexdigest()[:16]
     cache = StateCache(_cache_root(args) / f"states-{key}", (*blocks.shape, model.d_model), args.cache_dtype,
                        rank)
     if layer == model.n_layers:
         def compute(ids):
-            with torch.no_grad():
+            with torch.no_grad(), autocast(args):
                 return model.final_states(ids.to(args.device))[0]
     else:
         def compute(ids):
-            return model.states_before_layer(ids.to(args.device), layer)
+            with autocast(args):
+                return model.states_before_layer(ids.to(args.device), layer)
     cache.fill(compute, blocks, args.batch_size, rank, world)
     return cache
 
@@ -641,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
         "data": ["corpus", "seq_len", "val_fraction", "max_tokens", "max_source_share"],
         "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
         "prototype health": ["init_tokens", "dead_every"],
-        "bookkeeping": ["out", "cache_dir", "cache_dtype", "checkpoint_every", "log_every", "exit_after",
+        "bookkeeping": ["out", "cache_dir", "cache_dtype", "autocast", "checkpoint_every", "log_every", "exit_after",
                         "overwrite", "device"],
     }
     helps = {
@@ -662,6 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_dir": "where token and hidden-state caches go (default OUT/cache); share it between runs",
         "exit_after": "stop this process after N steps (resume later with the same command)",
         "overwrite": "discard a run in --out made with other arguments",
+        "autocast": "bfloat16: mixed precision, the matrix products (frozen layers, trained layers, bank, LM head) "
+                    "in bfloat16, weights, optimizer and losses in float32; several times faster on CPUs with "
+                    "AMX or AVX-512 BF16 (default: none)",
     }
     for title, names in groups.items():
         group = parser.add_argument_group(title)
@@ -680,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
                 kind = type(default)
                 group.add_argument(flag, type=kind, default=None if name in ("corpus", "out") else default,
                                    required=name in ("corpus", "out"), help=helps.get(name, ""),
-                                   choices=MODES if name == "mode" else None)
+                                   choices=MODES if name == "mode" else AUTOCAST if name == "autocast" else None)
     return parser
 
 

@@ -25,3 +25,15 @@ def test_train_throughput_bench_times_both_models_on_the_same_steps(tmp_path, ca
     assert result["prism_s_per_step"] > 0 and result["dense_s_per_step"] > 0
     assert result["throughput_ratio"] == result["dense_s_per_step"] / result["prism_s_per_step"]
     assert '"throughput_ratio"' in capsys.readouterr().out
+
+
+def test_train_throughput_bench_compares_autocast_on_the_same_steps(tmp_path):
+    bench = _load("train_throughput")
+    result = bench.main(["--backbone", str(tiny_backbone_dir(tmp_path / "bb")), "--corpus",
+                         str(write_corpus(tmp_path / "c")), "--n-layers", "1", "--n-prototypes", "16",
+                         "--top-k", "4", "--seq-len", "32", "--batch-size", "2", "--repeats", "3",
+                         "--autocast-compare"])
+    ac = result["autocast"]
+    assert ac["prism_speedup"] == result["prism_s_per_step"] / ac["prism_bf16_s_per_step"]
+    assert ac["dense_speedup"] == result["dense_s_per_step"] / ac["dense_bf16_s_per_step"]
+    assert ac["cache_fill_speedup"] == ac["cache_fill_s_per_batch"] / ac["cache_fill_bf16_s_per_batch"] > 0

@@ -294,3 +294,91 @@ def test_a_run_saved_before_a_new_argument_existed_resumes(setup, tmp_path):
     saved.write_text(json.dumps(args))
     main(_argv(setup, tmp_path / "old", steps=4))
     assert (tmp_path / "old" / "final").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --autocast bfloat16: mixed precision, checked against the float32 step
+
+
+def _module(setup, autocast: str):
+    from prism.train import TrainModule
+
+    args = TrainArgs(**{**_args_dict(setup, "unused"), "autocast": autocast})
+    torch.manual_seed(0)
+    model = PrismForCausalLM.from_backbone(load_backbone(setup["backbone"]),
+                                           PrismConfig(n_prototypes=24, top_k=4, lambda_r1=0.5, lambda_r2=0.5))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return TrainModule(model.eval(), args)
+
+
+def test_autocast_step_matches_the_float32_step(setup):
+    """The same model and batch: the loss terms within bfloat16's precision of the float32 ones, the gradients
+    pointing the same way, and the LM head's product really ran in bfloat16."""
+    ids = torch.randint(0, 64, (3, 16))
+    states = None
+    results = {}
+    for autocast in ("none", "bfloat16"):
+        module = _module(setup, autocast)
+        seen = []
+        hook = module.model.lm_head.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out.dtype))
+        module.start_layer = 0  # run every layer from the embeddings' output: the whole stack under autocast
+        states = module.model.states_before_layer(ids, 0) if states is None else states
+        loss, losses, out = module(ids, states)
+        loss.backward()
+        hook.remove()
+        grads = torch.cat([p.grad.flatten() for p in module.model.parameters() if p.grad is not None])
+        results[autocast] = (loss.item(), {k: v.item() for k, v in losses.items()}, grads, seen)
+    (loss32, terms32, g32, seen32), (loss16, terms16, g16, seen16) = results["none"], results["bfloat16"]
+    assert seen32 == [torch.float32] and seen16 == [torch.bfloat16]
+    assert loss16 == pytest.approx(loss32, rel=0.02)
+    for name in ("ce", "rec", "r1", "r2"):
+        assert terms16[name] == pytest.approx(terms32[name], rel=0.05, abs=1e-3), name
+    assert g16.dtype == torch.float32 and g16.shape == g32.shape
+    assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.98
+
+
+@pytest.mark.parametrize("density", [1.0, 0.01])
+def test_similarities_backward_under_autocast_matches_autograd(density):
+    """_Similarities' own backward, given the bfloat16 gradient autocast produces (dense, and sparse enough for
+    the sparse CPU path), against float32 autograd of the plain product."""
+    from prism.model import _Similarities
+
+    gen = torch.Generator().manual_seed(1)
+    zn = torch.nn.functional.normalize(torch.randn(200, 16, generator=gen), dim=-1).requires_grad_(True)
+    pn = torch.nn.functional.normalize(torch.randn(30, 16, generator=gen), dim=-1).requires_grad_(True)
+    weight = torch.randn(200, 30, generator=gen) * (torch.rand(200, 30, generator=gen) < density)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sims = _Similarities.apply(zn, pn)
+    assert sims.dtype == torch.bfloat16
+    (sims.float() * weight).sum().backward()
+    a, b = zn.detach().clone().requires_grad_(True), pn.detach().clone().requires_grad_(True)
+    ((a @ b.T) * weight.bfloat16().float()).sum().backward()
+    assert zn.grad.dtype == pn.grad.dtype == torch.float32
+    torch.testing.assert_close(zn.grad, a.grad, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(pn.grad, b.grad, rtol=0.02, atol=0.02)
+
+
+def test_autocast_run_resumes_exactly_and_keeps_its_own_cache(setup, tmp_path):
+    cache = str(tmp_path / "c")
+    whole = main(_argv(setup, tmp_path / "whole", cache_dir=cache, autocast="bfloat16"))
+    main(_argv(setup, tmp_path / "parts", cache_dir=cache, autocast="bfloat16", exit_after=7))
+    resumed = main(_argv(setup, tmp_path / "parts", cache_dir=cache, autocast="bfloat16"))
+    for name, tensor in _weights(whole).items():
+        assert tensor.dtype == torch.float32 and torch.equal(_weights(resumed)[name], tensor), name
+    assert len(list(Path(cache).glob("states-*"))) == 1
+    main(_argv(setup, tmp_path / "fp32", cache_dir=cache))  # a float32 run does not reuse those states
+    assert len(list(Path(cache).glob("states-*"))) == 2
+    # and the mixed-precision run follows the float32 one: CE (the frozen head's, mostly) to 0.1%, the
+    # reconstruction loosely (the bank starts from states that went through bfloat16 layers, and in this tiny
+    # model's 32 dimensions nearly tied similarities pick different top-k sets)
+    logs = {name: [json.loads(line) for line in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
+            for name in ("whole", "fp32")}
+    assert [r["step"] for r in logs["whole"]] == [r["step"] for r in logs["fp32"]]
+    for mixed, full in zip(logs["whole"], logs["fp32"]):
+        assert mixed["ce"] == pytest.approx(full["ce"], rel=1e-3), mixed["step"]
+        assert mixed["rec"] == pytest.approx(full["rec"], rel=0.08), mixed["step"]
+    with pytest.raises(ValueError, match="different arguments.*autocast"):
+        main(_argv(setup, tmp_path / "whole", cache_dir=cache))
+    with pytest.raises(SystemExit):
+        main(_argv(setup, tmp_path / "bad", autocast="float16"))
