@@ -1,0 +1,73 @@
+"""precompute.release: the v2 recipe's driver, on a tiny model and corpus (the stages up to eval; the later stages
+are the precompute and ship commands other tests cover)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import tiny_backbone_dir, write_corpus
+
+from precompute.release import STAGES, main
+
+
+def _argv(tmp_path: Path, backbone: str, corpus: str, *extra: str) -> list[str]:
+    return ["--out", str(tmp_path / "rel"), "--corpus", corpus, "--backbone", backbone, "--tokens", "256",
+            "--seq-len", "32", "--batch-size", "4", "--n-prototypes", "16", "--top-k", "4", "--n-layers", "1",
+            "--val-tokens", "64", "--max-source-share", "1.0", *extra]
+
+
+def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "rel"), "--dry-run"]) == {}
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("]")[0][1:] for line in lines] == ["corpus", "corpus", *STAGES[1:]]
+    prism = next(line for line in lines if line.startswith("[prism]"))
+    dense = next(line for line in lines if line.startswith("[dense]"))
+    # the baseline is the PRISM run's command with --dense-baseline and its own folder: same data, steps, precision
+    assert dense.replace("[dense]", "").replace(" --dense-baseline", "").replace("/dense", "/prism") == \
+        prism.replace("[prism]", "")
+    assert "--autocast bfloat16" in prism and "--lambda-r1 1.0 --lambda-r2 1.0" in prism
+    assert "--steps 1001" in prism  # 2.05M tokens / (8 x 256)
+    assert not (tmp_path / "rel").exists()
+
+
+@pytest.mark.slow
+def test_stages_run_resume_and_summarise(tmp_path, capsys):
+    backbone = str(tiny_backbone_dir(tmp_path / "bb"))
+    corpus = str(write_corpus(tmp_path / "c"))
+    argv = _argv(tmp_path, backbone, corpus, "--stages", "corpus,prism,dense,eval")
+    result = main(argv)
+    out = tmp_path / "rel"
+    assert set(result["stages"]) == set(STAGES)
+    assert all(result["stages"][s] is not None for s in ("corpus", "prism", "dense", "eval"))
+    assert result["stages"]["build"] is None
+    # the summary reads the evaluation prism.eval wrote, and judges it against the goals
+    ev = json.loads((out / "eval.json").read_text())
+    assert result["eval"]["r1_bar"] == ev["prism"]["r1_bar"] and result["eval"]["ce_gap"] == ev["prism_vs_dense_ce"]
+    assert result["goals_met"]["r1_bar"] == (ev["prism"]["r1_bar"] >= 0.94)
+    assert result["training_tokens"] == sum(json.loads((out / "prism" / "corpus_mix.json").read_text())
+                                            ["after"].values())
+    assert json.loads((out / "summary.json").read_text()) == result
+    # run again: finished stages are skipped (their logs do not grow); --redo runs one again
+    sizes = {p.name: p.stat().st_size for p in (out / "logs").iterdir()}
+    main(argv)
+    assert {p.name: p.stat().st_size for p in (out / "logs").iterdir()} == sizes
+    main(argv + ["--redo", "eval"])
+    assert (out / "logs" / "eval.log").stat().st_size > sizes["eval.log"]
+    assert (out / "logs" / "prism.log").stat().st_size == sizes["prism.log"]
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_a_failing_stage_stops_with_a_clear_error_and_no_record(tmp_path, capsys):
+    corpus = str(write_corpus(tmp_path / "c"))
+    argv = _argv(tmp_path, str(tmp_path / "no-backbone"), corpus, "--stages", "corpus,prism")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "stage prism failed" in capsys.readouterr().err
+    out = tmp_path / "rel"
+    assert (out / "stages" / "corpus.json").exists() and not (out / "stages" / "prism.json").exists()
+    with pytest.raises(SystemExit):
+        main(argv + ["--stages", "corpus,sideways"])
+    assert "unknown stage" in capsys.readouterr().err
