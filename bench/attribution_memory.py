@@ -21,14 +21,15 @@ PROMPT = "In the beginning the people of the valley"
 
 
 def rss_mb() -> dict[str, float]:
-    """This process's resident memory from /proc/self/status, in MB: total, anonymous and file-backed."""
+    """This process's resident memory from /proc/self/status, in MB: total, anonymous, file-backed, shared."""
     fields = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
                 fields[key] = int(value.split()[0]) / 1024  # kB
-    return {"rss": round(fields["VmRSS"], 1), "anon": round(fields["RssAnon"], 1), "file": round(fields["RssFile"], 1)}
+    return {"rss": round(fields["VmRSS"], 1), "anon": round(fields["RssAnon"], 1), "file": round(fields["RssFile"], 1),
+            "shmem": round(fields.get("RssShmem", 0.0), 1)}
 
 
 def main(argv: list[str] | None = None) -> dict:
