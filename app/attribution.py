@@ -4,9 +4,11 @@ served from the attribution cache of the precompute database (precompute/attribu
     data = attribute_token(studio, gen, index=3, top=10)     # {"token", "sequences": [...], ...}; AppError if no cache
     html_text, data = attribution_panel(studio, "original", 3, session)   # the Gradio handler (api_name "attribute")
 
-A query costs one pass of the prototype head on the token's final state (kept with the generation) and a sparse
-product over the prototypes it reads; the cached vectors are memory-mapped once per database (load_index and
-index_folder_for in precompute/attribution/cache.py) and shared (read-only) by every user. Attribution uses the
+A query costs one pass of the prototype head on the token's final state (kept with the generation), a sparse
+product over the prototypes it reads, and an exact second stage over its cache.RERANK best sequences from the
+build's exact store; the cached vectors are memory-mapped once per database (load_index and index_folder_for in
+precompute/attribution/cache.py; a child process writes them) and shared (read-only) by every user, as is the
+exact store (load_exact_store). Attribution uses the
 model's own activations: for the intervened text it is computed on that text without the interventions.
 """
 
@@ -37,20 +39,24 @@ def index_for(studio: Studio, db: Database) -> CachedIndex:
         if db not in _indexes:
             if not db.run(cache.has_attribution):
                 raise AppError(f"{cache.BUILD_HINT}.")
-            _indexes[db] = db.run(_load_index, db.path, studio.model.lm_head.weight)
+            _indexes[db] = db.run(_load_index, db.path, studio.model.lm_head.weight, studio.model.prototypes.weight)
         return _indexes[db]
 
 
-def _load_index(con, path, output_embeddings) -> CachedIndex:
+
+
+def _load_index(con, path, output_embeddings, prototypes=None) -> CachedIndex:
     """Memory-mapped from the user's cache folder (written there on first use; a large cache then costs the pages
-    a click touches), or into memory where that folder cannot be written."""
+    a click touches), or into memory where that folder cannot be written. prototypes: the model's bank, for the
+    exact second stage."""
+    exact = cache.load_exact_store(con, prototypes, path) if prototypes is not None else None
     try:
         folder = cache.index_folder_for(path)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        return cache.load_index(con, output_embeddings, folder=folder)
+        return cache.load_index(con, output_embeddings, folder=folder, rerank=cache.RERANK, exact=exact)
     except OSError as err:  # a read-only or full disk
         logger.warning("could not write the memory-mapped attribution index (%s): loading it into memory", err)
-        return cache.load_index(con, output_embeddings)
+        return cache.load_index(con, output_embeddings, rerank=cache.RERANK, exact=exact)
 
 
 def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:

@@ -258,8 +258,9 @@ def run_cached(ns, work: Path) -> dict:
     model, tokenizer = _load_model(ns.model)
     con = duckdb.connect(str(ns.db), read_only=True)
     t0 = time.perf_counter()
+    store = cache.load_exact_store(con, model.prototypes.weight, ns.db) if ns.rerank else None
     index = cache.load_index(con, model.lm_head.weight, mode=ns.mode, extra=ns.extra, coverage=ns.coverage,
-                             folder=work / "index" if ns.mmap else None)
+                             folder=work / "index" if ns.mmap else None, rerank=ns.rerank, exact=store)
     load_s = time.perf_counter() - t0
     latency, product, click, text, scores, read = [], [], [], [], [], []
     with torch.no_grad():
@@ -283,6 +284,7 @@ def run_cached(ns, work: Path) -> dict:
     con.close()
     np.save(work / "cached_scores.npy", np.asarray(scores, np.float32))
     return {"cached_mode": ns.mode, "cached_extra": ns.extra, "cached_coverage": ns.coverage,
+            "cached_rerank": index.rerank, "cached_exact": store is not None,
             "cached_prototypes_read": statistics.fmean(read), "cached_load_s": load_s,
             "cached_index_mb": index.nbytes / 1e6,
             "cached_query_ms": 1e3 * statistics.fmean(latency), "cached_query_ms_p50": 1e3 * statistics.median(latency),
@@ -347,7 +349,7 @@ RUNNERS = {"cached": run_cached, "ekfac": run_ekfac, "reference": run_reference}
 # each finished level is reused only when its own LEVEL_KEYS match too, so changing, say, --coverage or the
 # database's cache re-runs the cached level alone.
 PREPARE_KEYS = ("model", "corpus", "n_train", "seq_len", "n_queries", "batch_size", "peer_layers", "seed")
-LEVEL_KEYS = {"cached": ("db", "rank", "damping", "mode", "extra", "coverage", "mmap"),
+LEVEL_KEYS = {"cached": ("db", "rank", "damping", "mode", "extra", "coverage", "mmap", "rerank"),
               "ekfac": ("ekfac_query_batch", "ekfac_queries"),
               "reference": ("db", "rank", "damping")}
 RESUME_KEYS = PREPARE_KEYS + tuple(dict.fromkeys(k for keys in LEVEL_KEYS.values() for k in keys))
@@ -531,6 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--coverage", type=float, default=0.99,
                         help="coupled mode: share of the preconditioned query's squared norm the read prototypes "
                              "must hold")
+    parser.add_argument("--rerank", type=int, default=cache.RERANK,
+                        help="coupled mode: score the first stage's best N sequences again, exactly, from the "
+                             "build's exact store where the database has one (0: off; default "
+                             f"{cache.RERANK}, as the app)")
     parser.add_argument("--mmap", action="store_true",
                         help="cached level: memory-map the index from WORK/index as the app does (peak RSS then "
                              "counts the pages queries touch) instead of loading it into memory")

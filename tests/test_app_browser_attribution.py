@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_app_support import ROOT, build_tiny_attribution_db, running_app, shared_assets
 
-from app.attribution import attribute_token, attribution_panel
+from app.attribution import attribute_token, attribution_panel, index_for
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session
 from precompute import attribution as cache
@@ -43,8 +43,12 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
     rows = data["sequences"]
     assert len(rows) == 5 and [r["rank"] for r in rows] == list(range(5))
     assert [r["score"] for r in rows] == sorted((r["score"] for r in rows), reverse=True)
-    # the same numbers as the cache read directly, for the same query
-    index = studio.db.run(cache.load_index, studio.model.lm_head.weight)
+    # the same numbers as the cache read directly, for the same query: the first stage, then the exact second
+    # stage from the store the build wrote beside the database
+    store = studio.db.run(cache.load_exact_store, studio.model.prototypes.weight, studio.db.path)
+    assert store is not None
+    index = studio.db.run(cache.load_index, studio.model.lm_head.weight, rerank=cache.RERANK, exact=store)
+    assert index_for(studio, studio.db).exact is not None and index_for(studio, studio.db).rerank == cache.RERANK
     position = len(gen.prompt_ids) + 1
     ids, g = query_gradient(studio.model, gen.input_ids(2), position, gen.steps[2].token_id)
     scores, _ = index.scores(ids, g)

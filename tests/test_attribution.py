@@ -37,6 +37,7 @@ from prism.attribution import (
     reference_scores,
     sequence_gradients,
     token_statistics,
+    top_overlap,
     top_sequences,
 )
 from prism.backbones import load_backbone, load_tokenizer
@@ -284,6 +285,47 @@ def test_where_the_approximation_leaves_nothing_out_cached_equals_reference(setu
         con.close()
 
 
+def test_the_exact_second_stage_gives_the_reference_scores_of_its_candidates(loaded, built):
+    """With the build's exact store (float16 z and e beside the database), the first stage's M best sequences get
+    the reference's own scores (full coupled curvature, every prototype, no projection); the others keep the first
+    stage's; per-prototype shares add up to the scores. M = every sequence: the whole reference."""
+    model, con = loaded["model"], loaded["con"]
+    store = cache.load_exact_store(con, model.prototypes.weight)
+    assert store is not None and store.n_sequences == len(loaded["sequences"])
+    assert store.z.dtype == np.float16 and isinstance(store.z, np.memmap)
+    sequences = loaded["sequences"]
+    queries = [Query(sequences[j][: t + 1], t, int(sequences[j][t + 1])) for j, t in ((3, 5), (20, 12), (40, 1))]
+    reference = reference_scores(model, cache.load_curvature(con), queries, sequences, batch_size=4)
+    first = cache.load_index(con, model.lm_head.weight)
+    for q, ref in zip(queries, reference):
+        query = query_gradient(model, q.prefix(), q.position, q.token)
+        stage_one, _ = first.scores(*query)
+        for m in (6, len(sequences)):
+            scores, parts = cache.load_index(con, model.lm_head.weight, rerank=m, exact=store).scores(*query)
+            done = top_sequences(stage_one, m)
+            rest = np.setdiff1d(np.arange(len(sequences)), done)
+            np.testing.assert_allclose(scores[done], ref[done], rtol=5e-3, atol=2e-3 * np.abs(ref).max())
+            np.testing.assert_array_equal(scores[rest], stage_one[rest])
+            np.testing.assert_allclose(sum(parts.values()), scores, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+        assert top_overlap(scores, ref, 10) == 1.0  # M = every sequence: the reference's top 10
+    # a second stage needs the store and the coupled mode; load_index without a store has none
+    for mode, exact in (("coupled", None), ("block", store)):
+        with pytest.raises(ValueError, match="rerank"):
+            CachedIndex(first.whitening, first.basis, first.prototype_ids, first.sequence_ids, first.vectors,
+                        np.diff(first.entry_offsets), first.entry_targets, first.entry_activations,
+                        model.lm_head.weight, first.n_sequences, first.n_prototypes, coupling=first.coupling,
+                        mode=mode, rerank=5, exact=exact)
+    assert cache.load_index(con, model.lm_head.weight, rerank=5).rerank == 0
+    # a store from another build of the cache is not used
+    meta = cache.exact_folder(built) / "meta.json"
+    saved = meta.read_text()
+    try:
+        meta.write_text(json.dumps({**json.loads(saved), "run_id": "another"}))
+        assert cache.load_exact_store(con, model.prototypes.weight) is None
+    finally:
+        meta.write_text(saved)
+
+
 @pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     for where in ("fit:2", "vectors:2"):
@@ -298,9 +340,13 @@ def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
             assert con.execute("SELECT value FROM progress WHERE job = 'attribution' AND key = 'next_sequence'"
                                ).fetchone()[0] == "32"
             con.close()
+        assert not cache.exact_folder(db).exists()  # written last, after every vector
         precompute_main(_argv(setup, db))
         assert _dump(db) == _dump(built), where
         assert not cache.work_folder(db).exists()
+        for name in importlib.import_module("precompute.attribution.cache").EXACT_ARRAYS:  # the exact store too
+            resumed, whole = (np.load(cache.exact_folder(path) / f"{name}.npy") for path in (db, built))
+            np.testing.assert_array_equal(resumed, whole, err_msg=f"{where}: {name}")
 
 
 def test_rerun_is_idempotent_and_other_arguments_are_refused(setup, built, tmp_path, capsys):
@@ -476,6 +522,48 @@ def test_cached_index_reads_several_prototypes_at_once():
     assert scores.tolist() == [3.0, -1.0, 0.0]
 
 
+# few of the vocabulary's tokens predicted (their rows gathered), or most of them (one product with all of W)
+@pytest.mark.parametrize("V, vocab_used", [(200, 3), (8, 8)])
+def test_cached_scores_equal_a_loop_over_every_row_and_entry(V, vocab_used):
+    """The product against its definition, one row and one entry at a time: share_j(s) = q_j . c_{s,j} - sum over
+    j's entries in s of a (h_j . W[y]), with q and h from the same preconditioned query."""
+    from prism.attribution import BlockWhitening
+
+    rng = np.random.default_rng(vocab_used)
+    d, r, K, N = 6, 4, 5, 7
+    whitening = BlockWhitening(torch.linalg.qr(torch.randn(d, d)).Q, torch.rand(d) + 0.5, torch.rand(K) + 0.1,
+                               damping=0.3)
+    keys = sorted(rng.choice(K * N, size=20, replace=False).tolist())
+    proto, seq = np.array([k // N for k in keys]), np.array([k % N for k in keys])
+    counts = rng.integers(0, 4, size=len(keys))
+    targets = rng.choice(vocab_used, size=int(counts.sum()))
+    acts = rng.random(int(counts.sum())).astype(np.float32)
+    vectors = rng.standard_normal((len(keys), r)).astype(np.float32)
+    W = torch.randn(V, d)
+    index = CachedIndex(whitening, torch.linalg.qr(torch.randn(d, r)).Q, proto, seq, vectors, counts, targets, acts,
+                        output_embeddings=W, n_sequences=N, n_prototypes=K, mode="block")
+    ids, rows = torch.tensor([int(proto[0]), int(proto[-1])]), torch.randn(2, d)
+    scores, parts = index.scores(ids, rows)
+    read, x = index.preconditioned_query(ids, rows)
+    scale = whitening.coactivation_diag[read][:, None] * whitening.output_values[None] + whitening.damping
+    q = ((x * scale.sqrt()) @ index.basis).double()
+    h = (x @ whitening.output_vectors.T).double()
+    expected = {int(p): np.zeros(N) for p in read}
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for row in range(len(keys)):
+        if int(proto[row]) not in expected:
+            continue
+        j = read.tolist().index(int(proto[row]))
+        share = float(q[j] @ torch.from_numpy(vectors[row]).double())
+        for e in range(starts[row], starts[row + 1]):
+            share -= float(acts[e]) * float(h[j] @ W[targets[e]].double())
+        expected[int(proto[row])][seq[row]] += share
+    assert set(parts) == set(expected)
+    for p in expected:
+        np.testing.assert_allclose(parts[p], expected[p], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(scores, sum(expected.values()), rtol=1e-5, atol=1e-5)
+
+
 def test_memory_mapped_index_equals_the_in_memory_one(loaded, tmp_path):
     model, con = loaded["model"], loaded["con"]
     in_memory = cache.load_index(con, model.lm_head.weight)
@@ -504,6 +592,28 @@ def test_memory_mapped_index_equals_the_in_memory_one(loaded, tmp_path):
     again = cache.load_index(con, model.lm_head.weight, folder=folder)
     np.testing.assert_array_equal(again.vectors, in_memory.vectors)
     assert not list(tmp_path.glob("index.tmp-*"))
+
+
+def test_a_read_only_database_writes_its_mapped_index_in_a_child_process(built, loaded, tmp_path):
+    """The app's connection is read-only: its index folder is written by a child process (the scan of the whole
+    table stays out of the app's memory); a writable connection writes it in this process. Same arrays."""
+    model = loaded["model"]
+    copy = tmp_path / "writable.duckdb"
+    shutil.copy(built, copy)
+    writable = duckdb.connect(str(copy))
+    try:
+        here = cache.load_index(writable, model.lm_head.weight, folder=tmp_path / "here")
+    finally:
+        writable.close()
+    child = cache.load_index(loaded["con"], model.lm_head.weight, folder=tmp_path / "child")
+    for name in ("prototype_ids", "sequence_ids", "vectors", "entry_targets", "entry_activations"):
+        np.testing.assert_array_equal(getattr(child, name), getattr(here, name), err_msg=name)
+    assert (tmp_path / "child" / "source.txt").read_text() == str(Path(built).resolve())
+    # a child that cannot read the database: OSError (the app then loads into memory), no folder left behind
+    with pytest.raises(OSError, match="writing the attribution index"):
+        reader = importlib.import_module("precompute.attribution.cache")
+        reader._index_folder(loaded["con"], tmp_path / "broken", 4, 1024, source=tmp_path / "missing.duckdb")
+    assert not list(tmp_path.glob("broken*"))
 
 
 def test_index_folders_follow_the_database_file(built, tmp_path):

@@ -10,20 +10,24 @@ job wrote (its factors, the in-memory index, training sequences with their docum
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import torch
 
-from precompute.runs import job_done
+from precompute.runs import job_done, job_run_id
 from prism.attribution import (
     BlockWhitening,
     CachedIndex,
     Curvature,
+    ExactStore,
 )
 
 logger = logging.getLogger("precompute.attribution")
@@ -31,6 +35,13 @@ logger = logging.getLogger("precompute.attribution")
 NAME = "attribution"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 BUILD_HINT = ("this database has no attribution cache: build one into a copy of it with `python -m "
               "precompute.attribution --model MODEL --corpus CORPUS --db DB` (README: Training data behind a token)")
+
+
+# The app's second stage: a click scores every training sequence with the cached rows, then its RERANK best again,
+# exactly, where the build wrote its exact store (the reference's own scores for them). On a 24,576-sequence cache
+# the reference's top 10 shares 0.79 with the first stage alone, 0.97 with the 50 best rescored exactly, 0.99 with
+# 100 (docs/RESULTS.md); the second stage's cost grows with RERANK.
+RERANK = 50
 
 
 def has_attribution(con: duckdb.DuckDBPyConnection) -> bool:
@@ -73,7 +84,8 @@ def load_curvature(con: duckdb.DuckDBPyConnection, factors: dict[str, np.ndarray
 
 def load_index(con: duckdb.DuckDBPyConnection, output_embeddings: torch.Tensor, mode: str = "coupled",
                extra: int | None = None, coverage: float = 0.99, batch_rows: int = 1 << 16,
-               folder: str | Path | None = None) -> CachedIndex:
+               folder: str | Path | None = None, rerank: int = 0,
+               exact: ExactStore | None = None) -> CachedIndex:
     """Every cached vector and entry, grouped by prototype (what a query reads). output_embeddings: the model's LM
     head weight W (V, d).
 
@@ -81,7 +93,10 @@ def load_index(con: duckdb.DuckDBPyConnection, output_embeddings: torch.Tensor, 
     temporary folder and renamed, so a crash leaves nothing half-written) and memory-mapped, so opening the cache
     costs the pages a query touches, not the whole index (2.1 GB of vectors for 24,576 sequences of 64 tokens);
     a folder already holding them is reused. Either way the rows are streamed from the database in batches and
-    scattered to their sorted place (no ORDER BY over the whole table, no second copy)."""
+    scattered to their sorted place (no ORDER BY over the whole table, no second copy).
+
+    rerank=M scores the first stage's M best sequences again, exactly, from `exact` (load_exact_store; without
+    one there is no second stage and rerank is ignored)."""
     if not has_attribution(con):
         raise LookupError(BUILD_HINT)
     factors = load_factors(con)
@@ -95,13 +110,47 @@ def load_index(con: duckdb.DuckDBPyConnection, output_embeddings: torch.Tensor, 
     coupling = load_curvature(con, factors) if mode == "coupled" else None
     return CachedIndex(whitening, basis, arrays["prototype_ids"], arrays["sequence_ids"], arrays["vectors"],
                        arrays["counts"], arrays["targets"], arrays["activations"], output_embeddings, n_sequences,
-                       len(factors["coactivation"]), coupling=coupling, mode=mode, extra=extra, coverage=coverage)
+                       len(factors["coactivation"]), coupling=coupling, mode=mode, extra=extra, coverage=coverage,
+                       rerank=rerank if exact is not None else 0, exact=exact)
 
 
 def _database_path(con: duckdb.DuckDBPyConnection) -> Path | None:
     """The file behind the connection's database (written beside a memory-mapped index so stale ones can go)."""
     row = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
     return Path(row[0]).resolve() if row and row[0] else None
+
+
+def _read_only(con: duckdb.DuckDBPyConnection) -> bool:
+    row = con.execute("SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
+    return bool(row and row[0])
+
+
+def exact_folder(db: str | Path) -> Path:
+    """Where the build keeps its exact store (prism.attribution.ExactStore) beside the database."""
+    return Path(db).with_name(Path(db).name + ".attribution-exact")
+
+
+EXACT_ARRAYS = ("z", "e", "prototype_ids", "activations", "offsets")
+
+
+def load_exact_store(con: duckdb.DuckDBPyConnection, prototypes: torch.Tensor,
+                     db_path: str | Path | None = None) -> ExactStore | None:
+    """The exact store the build wrote beside the database, memory-mapped; None when there is none or it belongs
+    to another build of the cache (logged). prototypes: the model's bank (K, d)."""
+    path = Path(db_path) if db_path is not None else _database_path(con)
+    if path is None:
+        return None
+    folder = exact_folder(path)
+    if not (folder / "meta.json").is_file() or not all((folder / f"{n}.npy").is_file() for n in EXACT_ARRAYS):
+        return None
+    meta = json.loads((folder / "meta.json").read_text())
+    n_sequences = con.execute("SELECT count(*) FROM attribution_sequences").fetchone()[0]
+    if meta.get("run_id") != job_run_id(con, NAME) or meta.get("n_sequences") != n_sequences:
+        logger.warning("ignoring %s: it was written by another build of the attribution cache", folder)
+        return None
+    arrays = {n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXACT_ARRAYS}
+    return ExactStore(arrays["z"], arrays["e"], arrays["prototype_ids"], arrays["activations"],
+                      np.asarray(arrays["offsets"]), prototypes)
 
 
 INDEX_ARRAYS = ("prototype_ids", "sequence_ids", "vectors", "counts", "targets", "activations")
@@ -151,21 +200,28 @@ def _read_index_arrays(con: duckdb.DuckDBPyConnection, rank: int, allocate, batc
     return out
 
 
+# Memory DuckDB may use in the process that writes a memory-mapped index (its buffer pool would otherwise keep much
+# of the table it scanned: +1.1 GB for a 12,288-sequence cache when the app wrote the index itself).
+WRITER_MEMORY_LIMIT = "512MB"
+
+
 def _index_folder(con: duckdb.DuckDBPyConnection, folder: Path, rank: int, batch_rows: int,
                   source: Path | None = None) -> dict[str, np.ndarray]:
-    """The index's arrays memory-mapped from folder, written there first unless it already holds them."""
+    """The index's arrays memory-mapped from folder, written there first unless it already holds them.
+
+    A read-only database with a file behind it is read by a child process (_write_index_process): the scan of the
+    whole attribution table then leaves nothing behind in this process (the app's), whose DuckDB buffer pool would
+    keep the pages it read. A writable connection holds the file's lock, so it is read here."""
     if not all((folder / f"{name}.npy").is_file() for name in INDEX_ARRAYS):
         tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            arrays = _read_index_arrays(
-                con, rank, lambda name, shape, dtype: np.lib.format.open_memmap(tmp / f"{name}.npy", "w+", dtype,
-                                                                                shape), batch_rows)
-            for a in arrays.values():
-                a.flush()
+            if source is not None and _read_only(con):
+                _write_index_process(source, tmp, rank, batch_rows)
+            else:
+                _write_index_arrays(con, tmp, rank, batch_rows)
             (tmp / "source.txt").write_text(str(source) if source else "")
-            del arrays
             shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder (a crash before this rename)
             try:
                 tmp.rename(folder)
@@ -175,6 +231,38 @@ def _index_folder(con: duckdb.DuckDBPyConnection, folder: Path, rank: int, batch
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in INDEX_ARRAYS}
+
+
+def _write_index_arrays(con: duckdb.DuckDBPyConnection, folder: Path, rank: int, batch_rows: int) -> None:
+    arrays = _read_index_arrays(
+        con, rank, lambda name, shape, dtype: np.lib.format.open_memmap(folder / f"{name}.npy", "w+", dtype, shape),
+        batch_rows)
+    for a in arrays.values():
+        a.flush()
+
+
+def _write_index_process(db: Path, folder: Path, rank: int, batch_rows: int) -> None:
+    """Write the index's .npy files into folder from a child process with its own read-only connection (DuckDB
+    memory capped at WRITER_MEMORY_LIMIT). OSError if it fails, so the app falls back to an in-memory index."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, "-c", "import sys; from precompute.attribution.cache import _index_writer_main; "
+            "_index_writer_main(sys.argv[1:])", str(db), str(folder), str(rank), str(batch_rows)]
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise OSError(f"writing the attribution index from {db} failed: {tail[0]}")
+
+
+def _index_writer_main(argv: list[str]) -> None:
+    """The child process of _write_index_process: DB FOLDER RANK BATCH_ROWS."""
+    db, folder, rank, batch_rows = argv
+    con = duckdb.connect(db, read_only=True, config={"enable_external_access": False,
+                                                     "memory_limit": WRITER_MEMORY_LIMIT})
+    try:
+        _write_index_arrays(con, Path(folder), int(rank), int(batch_rows))
+    finally:
+        con.close()
 
 
 def index_folder_for(db_path: str | Path, root: str | Path | None = None) -> Path:
@@ -244,12 +332,17 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
         WHERE s.sequence_id IN ({marks})""", [int(s) for s in sequence_ids])
     names = [c[0] for c in cur.description]
     meta = {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
-    proto_ids = sorted(parts)
-    where = ", ".join("?" for _ in proto_ids) or "NULL"
-    active = con.execute(f"""
-        SELECT sequence_id, prototype_id, token_positions, activations, target_ids FROM attribution_vectors
-        WHERE sequence_id IN ({marks}) AND prototype_id IN ({where})""",
-                         [int(s) for s in sequence_ids] + proto_ids).fetchall()
+    # each prototype's share in each of these sequences (a reranked query holds hundreds of prototypes, most of
+    # them zero in any one sequence)
+    proto_ids = list(parts)
+    share_of = np.stack([parts[p][np.asarray(sequence_ids, np.int64)] for p in proto_ids]) if proto_ids else \
+        np.zeros((0, len(sequence_ids)))  # (P, n)
+    held = {proto_ids[i] for i in np.flatnonzero(np.any(share_of != 0, axis=1)).tolist()}
+    # one equality per sequence: each reads only the row groups of its sequence (rows are stored in sequence
+    # order), where an IN list scans the whole table (26 -> 8 ms for 10 sequences of a 24,576-sequence cache)
+    union = " UNION ALL ".join("SELECT sequence_id, prototype_id, token_positions, activations, target_ids "
+                               "FROM attribution_vectors WHERE sequence_id = ?" for _ in sequence_ids)
+    active = [r for r in con.execute(union, [int(s) for s in sequence_ids]).fetchall() if r[1] in held]
     out = []
     for rank, sid in enumerate(sequence_ids):
         row = meta[int(sid)]
@@ -258,18 +351,18 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
             text = document_text(row["doc_id"], row.pop("text"), row["sha256"])
         except (KeyError, ValueError, ImportError) as err:
             error = str(err)
-        shares = {p: float(parts[p][sid]) for p in proto_ids}
+        shares = {proto_ids[i]: float(share_of[i, rank]) for i in np.flatnonzero(share_of[:, rank]).tolist()}
         weight: dict[int, float] = {}  # token position in the sequence -> highlight weight
         targets: dict[int, int] = {}  # token position -> the token that follows it (what the cache recorded)
         for s, p, positions, acts, target_ids in active:
             if s == sid:
                 for pos, act, target in zip(positions, acts, target_ids):
-                    weight[pos] = weight.get(pos, 0.0) + float(act) * max(shares[p], 0.0)
+                    weight[pos] = weight.get(pos, 0.0) + float(act) * max(shares.get(p, 0.0), 0.0)
                     targets[pos] = target
         segments = [] if text is None else _highlight(text, tokenizer, row, weight, context_chars, targets)
         out.append({**row, "rank": rank, "score": float(scores[sid]),
                     "prototypes": [{"prototype_id": p, "contribution": shares[p]}
-                                   for p in sorted(proto_ids, key=lambda p: -shares[p])],
+                                   for p in sorted(shares, key=lambda p: -shares[p])],
                     "segments": segments, "error": error})
     return out
 
