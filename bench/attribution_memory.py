@@ -6,11 +6,14 @@ Loads the studio (model and database) as app.py does, generates a text, and read
 (/proc/self/status: RssAnon, memory of its own, and RssFile, pages of mapped files the kernel can drop and read
 again) before the first attribution query, after the index is loaded (memory-mapped under the user cache, as the
 app does; --in-memory loads it into memory instead) and after --clicks queries on the generated tokens. Prints one
-JSON line; the figure to judge is extra_anon_mb (issue 19: at most about 1 GB for a 24,576-sequence cache).
+JSON line; the figure to judge is extra_anon_mb (issue 19: at most about 1 GB for a 24,576-sequence cache). The
+first open of a database writes its memory-mapped index from a child process (precompute/attribution/cache.py);
+that process's peak is index_writer_peak_rss_mb (null when the folder already existed).
 """
 
 from __future__ import annotations
 
+import resource
 import time
 
 from app.attribution import attribute_token, index_for
@@ -63,7 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
         attribute_token(studio, gen, click % len(gen.steps))
         times.append(time.perf_counter() - t0)
     after = rss_mb()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the index writer, if it ran
     result = {"db": args.db, "n_sequences": index.n_sequences, "memory_mapped": not args.in_memory,
+              "exact_store": index.exact is not None, "rerank": index.rerank,
+              "index_writer_peak_rss_mb": round(children, 1) if children else None,
               "load_s": round(load_s, 2), "clicks": args.clicks, "click_ms_median": round(
                   1e3 * sorted(times)[len(times) // 2], 1),
               "before_mb": before, "loaded_mb": loaded, "after_mb": after,

@@ -24,6 +24,7 @@ proportional to the training set, near 0 independent of it.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import shutil
@@ -115,17 +116,33 @@ def figure(lines: list[dict], fits: dict):
     colours = {"cached": "#1f77b4", "ekfac": "#d62728", "reference": "#2ca02c"}
     names = {"cached": "cached (prototype space)", "ekfac": "EK-FAC (kronfluence)", "reference": "reference"}
     fig = go.Figure()
+    dates = sorted({line.get("measured_on") or "" for line in lines})
     for level in ("cached", "ekfac", "reference"):
         points = [(line["n_train"], per_query_ms(line)[level]) for line in lines if level in per_query_ms(line)]
         if not points:
             continue
-        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] / 1e3 for p in points], mode="markers",
-                                 marker={"color": colours[level], "size": 10}, name=names[level]))
-        if level in fits:
-            c, p = fits[level]["c_ms"], fits[level]["exponent"]
-            xs = np.geomspace(min(pt[0] for pt in points), max(line["n_train"] for line in lines), 50)
-            fig.add_trace(go.Scatter(x=xs, y=c * xs ** p / 1e3, mode="lines", name=f"fit: n^{p:.2f}",
-                                     line={"color": colours[level], "dash": "solid" if level != "ekfac" else "dot"}))
+        for date in dates:  # sizes measured on another day (another machine) get their own marker
+            here = [(line["n_train"], per_query_ms(line)[level]) for line in lines
+                    if level in per_query_ms(line) and (line.get("measured_on") or "") == date]
+            if here:
+                fig.add_trace(go.Scatter(
+                    x=[p[0] for p in here], y=[p[1] / 1e3 for p in here], mode="markers",
+                    marker={"color": colours[level], "size": 10,
+                            "symbol": "circle" if date == dates[-1] else "diamond"},
+                    name=names[level] + (f" ({date})" if len(dates) > 1 else "")))
+        # one fitted line per day the level was measured on (one machine, one version of the code each)
+        groups = {date: [(line["n_train"], per_query_ms(line)[level]) for line in lines
+                         if level in per_query_ms(line) and (line.get("measured_on") or "") == date] for date in dates}
+        for date, here in groups.items():
+            fit = (fits[level]["c_ms"], fits[level]["exponent"]) if len(dates) == 1 and level in fits else \
+                power_law([pt[0] for pt in here], [pt[1] for pt in here])
+            if fit is None:
+                continue
+            c, p = fit
+            xs = np.geomspace(min(pt[0] for pt in here), max(line["n_train"] for line in lines), 50)
+            fig.add_trace(go.Scatter(x=xs, y=c * xs ** p / 1e3, mode="lines",
+                                     name=f"fit{f' ({date})' if len(dates) > 1 else ''}: n^{p:.2f}",
+                                     line={"color": colours[level], "dash": "solid" if date == dates[-1] else "dot"}))
     extra = [line for line in lines if line.get("ekfac_query_ms_extrapolated") is not None]
     if extra:
         fig.add_trace(go.Scatter(x=[line["n_train"] for line in extra],
@@ -134,8 +151,8 @@ def figure(lines: list[dict], fits: dict):
                                  name="EK-FAC, extrapolated (a + b n)"))
     fig.update_xaxes(type="log", title="training sequences")
     fig.update_yaxes(type="log", title="seconds per query")
-    fig.update_layout(width=900, height=560, template="plotly_white", title="Attribution: cost per query against "
-                      "training-set size (2 CPU cores)", legend={"x": 0.01, "y": 0.99})
+    fig.update_layout(width=1100, height=560, template="plotly_white", title="Attribution: cost per query against "
+                      "training-set size (2 CPU cores)", legend={"x": 1.02, "y": 1.0})
     return fig
 
 
@@ -185,6 +202,7 @@ def run_size(args: argparse.Namespace, n: int) -> dict:
         raise RuntimeError(f"bench.attribution failed at {n} sequences (exit code {proc.returncode}); run the same "
                            "command again to resume")
     line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line["measured_on"] = datetime.date.today().isoformat()  # times from different days are different machines
     if line["n_train"] != n:
         raise ValueError(f"asked for {n} training sequences, the corpus gave {line['n_train']}")
     return line
