@@ -39,17 +39,17 @@ def index_for(studio: Studio, db: Database) -> CachedIndex:
         if db not in _indexes:
             if not db.run(cache.has_attribution):
                 raise AppError(f"{cache.BUILD_HINT}.")
-            _indexes[db] = db.run(_load_index, db.path, studio.model.lm_head.weight, studio.model.prototypes.weight)
+            _indexes[db] = db.run(_load_index, db.path, studio.model.lm_head.weight)
         return _indexes[db]
 
 
 
 
-def _load_index(con, path, output_embeddings, prototypes=None) -> CachedIndex:
+def _load_index(con, path, output_embeddings) -> CachedIndex:
     """Memory-mapped from the user's cache folder (written there on first use; a large cache then costs the pages
-    a click touches), or into memory where that folder cannot be written. prototypes: the model's bank, for the
-    exact second stage."""
-    exact = cache.load_exact_store(con, prototypes, path) if prototypes is not None else None
+    a click touches), or into memory where that folder cannot be written; with the build's exact store, if any,
+    for the exact second stage."""
+    exact = cache.load_exact_store(con, path)
     try:
         folder = cache.index_folder_for(path)
         folder.parent.mkdir(parents=True, exist_ok=True)

@@ -258,7 +258,7 @@ def run_cached(ns, work: Path) -> dict:
     model, tokenizer = _load_model(ns.model)
     con = duckdb.connect(str(ns.db), read_only=True)
     t0 = time.perf_counter()
-    store = cache.load_exact_store(con, model.prototypes.weight, ns.db) if ns.rerank else None
+    store = cache.load_exact_store(con, ns.db) if ns.rerank else None
     index = cache.load_index(con, model.lm_head.weight, mode=ns.mode, extra=ns.extra, coverage=ns.coverage,
                              folder=work / "index" if ns.mmap else None, rerank=ns.rerank, exact=store)
     load_s = time.perf_counter() - t0

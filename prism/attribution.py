@@ -48,11 +48,13 @@ Three levels over the same model and training sequences:
    Both errors stay the same per sequence while the sequences competing for a top 10 grow in number, so the top-10
    overlap with the reference falls with the training set (0.85 at 768 sequences, 0.786 at 12,288). A second
    stage (rerank=M) scores the first stage's M best sequences again: with the build's exact store (ExactStore:
-   every training token's z and e in float16, its active prototypes and activations, about 2.4 KB a token) it
-   computes their scores as the reference does (every prototype, no projection; float16 the only error), so the
-   top 10 is the reference's whenever the first stage ranks the reference's top 10 among its M best. (Adding
-   every other prototype's projected rows instead, which removes (a) but keeps (b), was measured and dropped:
-   top-10 overlap 0.81 -> 0.82 at 3,072 sequences and 0.79 -> 0.79 at 24,576, for 2.5x the product's time.)
+   every training sequence's exact gradient rows G_{s,i} Q_S in the eigenbasis of S, float16 with a scale per row,
+   about 1.2 KB a row, some 170 rows a 64-token sequence) it computes their scores as the reference does (every
+   prototype, no projection; float16 the only error): one dot product per row with the preconditioned query, which
+   the first stage already holds in that basis. So the top 10 is the reference's whenever the first stage ranks
+   the reference's top 10 among its M best. (Adding every other prototype's projected rows instead, which removes
+   (a) but keeps (b), was measured and dropped: top-10 overlap 0.81 -> 0.82 at 3,072 sequences and 0.79 -> 0.79
+   at 24,576, for 2.5x the product's time.)
    The simpler block-diagonal variant (mode="block": A replaced by its diagonal, only the k active rows) is kept
    for comparison; it drops the coupling. On a small trained model (K = 96, k = 4, d = 32, r = 8) the block
    variant keeps about 40% of the reference's top 10, the coupled read of the k active rows alone 35%, with k
@@ -75,7 +77,7 @@ Usage:
     ids, g = query_gradient(model, input_ids, position, token)     # the query's k active rows
     ref = ReferenceScorer(curvature, [(ids, g)], n_sequences, K); ref.add(rows); ref.scores   # (Q, N)
     scores, parts = index.scores(ids, g)                           # cached: (N,) and each prototype's share
-    exact = ExactStore(z, e, ids, acts, offsets, model.prototypes.weight)   # per training token, by sequence
+    exact = ExactStore(rows, scales, prototype_ids, offsets)      # exact rows G Q_S (the build writes them)
     CachedIndex(..., rerank=100, exact=exact).scores(ids, g)       # the 100 best again, exactly
 """
 
@@ -467,62 +469,53 @@ def whitened_basis(moment: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 class ExactStore:
-    """What an exact second stage needs: every training target token's z and e (float16 or float32), its active
-    prototypes and activations, grouped by sequence (tokens offsets[s]:offsets[s + 1] are sequence s's, in
-    order). With it a candidate sequence's score is computed exactly as the reference does: sum over its tokens
-    and active prototypes of h_i . g_{t,i} (prototype_gradients), h the query preconditioned with the full coupled
-    curvature, nothing left out and nothing projected. Arrays may be memory maps: a query reads its candidates'
-    tokens only (about 2.4 KB a token at d = 576 in float16)."""
+    """What an exact second stage needs: every training sequence's exact gradient rows (SequenceRows.rows, the
+    sum over its tokens of prototype_gradients, one row per prototype active in it) rotated into the eigenbasis of
+    S, R_{s,i} = G_{s,i} Q_S, grouped by sequence (rows offsets[s]:offsets[s + 1] are sequence s's). With h Q_S
+    the preconditioned query in the same basis (what CachedIndex's first stage computes), a candidate's score is
+    exactly the reference's: sum_i (h_i Q_S) . R_{s,i}, nothing left out and nothing projected; Q_S is orthogonal,
+    so the rotation changes no dot product. Rows are stored as float16 times a float32 scale per row (the row's
+    largest magnitude: no overflow, about 5e-4 relative error per entry). Arrays may be memory maps: a query reads
+    its candidates' rows only (about 1.2 KB a row at d = 576)."""
 
-    def __init__(self, z: np.ndarray, e: np.ndarray, prototype_ids: np.ndarray, activations: np.ndarray,
-                 offsets: np.ndarray, prototypes: torch.Tensor) -> None:
-        if not (len(z) == len(e) == len(prototype_ids) == len(activations) == int(offsets[-1])):
-            raise ValueError(f"the exact store's arrays disagree: {len(z)} z, {len(e)} e, {len(prototype_ids)} ids, "
-                             f"{len(activations)} activations, {int(offsets[-1])} tokens by the offsets")
-        self.z, self.e, self.prototype_ids, self.activations = z, e, prototype_ids, activations
+    def __init__(self, rows: np.ndarray, scales: np.ndarray, prototypes: np.ndarray, offsets: np.ndarray) -> None:
+        """rows (n, d) float16 (or float32), scales (n,), prototypes (n,) prototype id of each row, offsets
+        (n_sequences + 1,) where each sequence's rows start."""
+        if not (len(rows) == len(scales) == len(prototypes) == int(offsets[-1])) or int(offsets[0]) != 0:
+            raise ValueError(f"the exact store's arrays disagree: {len(rows)} rows, {len(scales)} scales, "
+                             f"{len(prototypes)} prototype ids, offsets from {int(offsets[0])} to {int(offsets[-1])}")
+        self.rows, self.scales, self.prototypes = rows, scales, prototypes
         self.offsets = np.asarray(offsets, np.int64)  # (n_sequences + 1,)
-        self.prototypes = prototypes.detach().float()  # (K, d)
+
+    @staticmethod
+    def encode(rows: torch.Tensor, output_vectors: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Exact rows G (n, d) in model coordinates -> what the store keeps: (G Q_S / scale in float16, scale)."""
+        rotated = rows.float() @ output_vectors.float()  # (n, d)
+        scale = rotated.abs().amax(-1).clamp_min(1e-30)  # (n,)
+        return (rotated / scale[:, None]).half().numpy(), scale.numpy()
 
     @property
     def n_sequences(self) -> int:
         return len(self.offsets) - 1
 
-    def shares(self, sequences: np.ndarray, h: torch.Tensor, chunk: int = 128) -> tuple[np.ndarray, np.ndarray,
-                                                                                          np.ndarray]:
-        """Exact shares of the given sequences (M,) for the preconditioned query h (K, d) in model coordinates:
-        (sequence index into `sequences`, prototype id, share) per (sequence, prototype) with a non-zero share.
-
-        Per active (token t, prototype i), h_i . g_{t,i} without forming g (prototype_gradients' formula, expanded):
-        a (h_i . e) + (p_i . e) (h_i . z^ - cos (h_i . p^_i)) / |p_i|, cos = p^_i . z^; four dot products per
-        pair from two gathered (chunk, k, d) blocks small enough to stay in cache."""
-        P = self.prototypes
-        K = P.shape[0]
-        p_norm = P.norm(dim=-1).clamp_min(1e-12)  # (K,)
-        h_dot_p_hat = (h * P).sum(-1) / p_norm  # (K,)
+    def shares(self, sequences: np.ndarray, h: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Exact shares of the given sequences (M,) for the preconditioned query h (K, d) in the eigenbasis of S
+        (h Q_S): (sequence index into `sequences`, prototype id, share) per row with a non-zero share. Each
+        sequence's rows are one contiguous slice; the float16 rows are widened by torch (vectorised)."""
         spans = [(int(self.offsets[s]), int(self.offsets[s + 1])) for s in np.asarray(sequences).tolist()]
         if sum(b - a for a, b in spans) == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
         owner = np.repeat(np.arange(len(spans)), [b - a for a, b in spans])
 
-        def read(array: np.ndarray, dtype) -> torch.Tensor:  # one contiguous slice per sequence (memory maps)
-            return torch.from_numpy(np.concatenate([array[a:b] for a, b in spans]).astype(dtype))
+        def read(array: np.ndarray) -> np.ndarray:
+            return np.concatenate([array[a:b] for a, b in spans])
 
-        ids, acts = read(self.prototype_ids, np.int64), read(self.activations, np.float32)  # (n, k)
-        e, z = read(self.e, np.float32), read(self.z, np.float32)  # (n, d)
-        x = torch.stack([e, z / z.norm(dim=-1, keepdim=True).clamp_min(1e-12)], -1)  # (n, d, 2): e and z^
-        values = torch.zeros(ids.shape)  # (n, k) h_i . g_{t,i}
-        for lo in range(0, len(ids), chunk):
-            i, a, xx = ids[lo: lo + chunk], acts[lo: lo + chunk], x[lo: lo + chunk]
-            he, hz = torch.bmm(h[i], xx).unbind(-1)  # (c, k) h_i . e, h_i . z^
-            pe, pz = torch.bmm(P[i], xx).unbind(-1)  # (c, k) p_i . e, p_i . z^
-            cos = pz / p_norm[i]
-            values[lo: lo + chunk] = a * he + pe * (hz - cos * h_dot_p_hat[i]) / p_norm[i]
-        values = values.masked_fill(acts <= 0, 0.0)
-        keys = (owner[:, None] * K + ids.numpy()).reshape(-1)
-        unique, inverse = np.unique(keys, return_inverse=True)
-        total = np.bincount(inverse, values.double().numpy().reshape(-1), minlength=len(unique))
-        keep = total != 0
-        return unique[keep] // K, unique[keep] % K, total[keep]
+        prototype = read(self.prototypes).astype(np.int64)  # (n,)
+        rows = torch.from_numpy(read(self.rows)).float()  # (n, d)
+        values = torch.einsum("nd,nd->n", h.float()[torch.from_numpy(prototype)], rows).double().numpy()
+        values *= read(self.scales)
+        keep = values != 0
+        return owner[keep], prototype[keep], values[keep]
 
 
 class CachedIndex:
@@ -681,8 +674,7 @@ class CachedIndex:
         (the reference's, for the same query) and exact shares per prototype; the others keep the first stage's.
         In place on `total` and `parts` (shares of prototypes not read in the first stage are zero elsewhere)."""
         candidates = top_sequences(total, self.rerank)
-        h = h_all @ self.whitening.output_vectors.T  # (K, d) in model coordinates
-        owner, prototype, share = self.exact.shares(candidates, h)
+        owner, prototype, share = self.exact.shares(candidates, h_all)  # h Q_S, the store's basis
         for values in parts.values():
             values[candidates] = 0.0
         total[candidates] = 0.0

@@ -45,7 +45,7 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
     assert [r["score"] for r in rows] == sorted((r["score"] for r in rows), reverse=True)
     # the same numbers as the cache read directly, for the same query: the first stage, then the exact second
     # stage from the store the build wrote beside the database
-    store = studio.db.run(cache.load_exact_store, studio.model.prototypes.weight, studio.db.path)
+    store = studio.db.run(cache.load_exact_store, studio.db.path)
     assert store is not None
     index = studio.db.run(cache.load_index, studio.model.lm_head.weight, rerank=cache.RERANK, exact=store)
     assert index_for(studio, studio.db).exact is not None and index_for(studio, studio.db).rerank == cache.RERANK

@@ -290,9 +290,9 @@ def test_the_exact_second_stage_gives_the_reference_scores_of_its_candidates(loa
     the reference's own scores (full coupled curvature, every prototype, no projection); the others keep the first
     stage's; per-prototype shares add up to the scores. M = every sequence: the whole reference."""
     model, con = loaded["model"], loaded["con"]
-    store = cache.load_exact_store(con, model.prototypes.weight)
+    store = cache.load_exact_store(con)
     assert store is not None and store.n_sequences == len(loaded["sequences"])
-    assert store.z.dtype == np.float16 and isinstance(store.z, np.memmap)
+    assert store.rows.dtype == np.float16 and isinstance(store.rows, np.memmap)
     sequences = loaded["sequences"]
     queries = [Query(sequences[j][: t + 1], t, int(sequences[j][t + 1])) for j, t in ((3, 5), (20, 12), (40, 1))]
     reference = reference_scores(model, cache.load_curvature(con), queries, sequences, batch_size=4)
@@ -321,9 +321,30 @@ def test_the_exact_second_stage_gives_the_reference_scores_of_its_candidates(loa
     saved = meta.read_text()
     try:
         meta.write_text(json.dumps({**json.loads(saved), "run_id": "another"}))
-        assert cache.load_exact_store(con, model.prototypes.weight) is None
+        assert cache.load_exact_store(con) is None
+        meta.write_text(json.dumps({k: v for k, v in json.loads(saved).items() if k != "format"}))  # format 1
+        assert cache.load_exact_store(con) is None
     finally:
         meta.write_text(saved)
+    assert cache.load_exact_store(con) is not None
+
+
+def test_the_exact_stores_rows_are_each_sequences_bank_gradient_by_autograd(loaded):
+    """Decoded (scale x float16 row, rotated back by Q_S^T), the store's rows of a sequence are autograd's gradient
+    of its summed loss with respect to the bank, row for row, and no other prototype has one."""
+    model, con = loaded["model"], loaded["con"]
+    store = cache.load_exact_store(con)
+    q_s = cache.load_curvature(con).output_vectors
+    for s in (0, 9, len(loaded["sequences"]) - 1):
+        lo, hi = store.offsets[s], store.offsets[s + 1]
+        decoded = torch.from_numpy(np.asarray(store.rows[lo:hi], np.float32) * store.scales[lo:hi, None]) @ q_s.T
+        expected = _autograd_bank_gradient(model, torch.as_tensor(loaded["sequences"][s][None], dtype=torch.long))
+        ids = torch.from_numpy(np.asarray(store.prototypes[lo:hi], np.int64))
+        assert sorted(ids.tolist()) == ids.tolist() and len(set(ids.tolist())) == len(ids)
+        torch.testing.assert_close(decoded, expected[ids], rtol=2e-3, atol=2e-3 * float(expected.abs().max()))
+        others = torch.ones(len(expected), dtype=torch.bool)
+        others[ids] = False
+        assert float(expected[others].abs().max()) == 0.0
 
 
 @pytest.mark.slow

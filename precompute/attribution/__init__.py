@@ -16,10 +16,12 @@ math is in prism/attribution.py; this job runs it over the corpus in three passe
    on B) and, exactly, every position where the prototype is active with its activation and the token predicted
    there (the gradient's one-hot part), written in chunks; each chunk commits with its progress, so a killed job
    neither loses nor repeats rows.
-4. exact store: the fit pass's z and e in float16, with the active prototypes and activations, as .npy files in
+4. exact store: every sequence's exact gradient rows (one per prototype active in it, the sum of its tokens'
+   exact gradients) rotated into the eigenbasis of S, float16 with a scale per row, as .npy files in
    `<db>.attribution-exact/` (exact_folder), so the app can score a query's best candidates exactly (the
-   reference's computation for them; prism.attribution.ExactStore). About 2.4 KB a token at d = 576; written
-   atomically, last, so a killed job writes it again on resume.
+   reference's computation for them; prism.attribution.ExactStore). About 1.2 KB a row, some 170 rows a 64-token
+   sequence (200 KB); computed from the fit pass's token files like the vectors, written atomically, last, so a
+   killed job writes it again on resume.
 
 Cost: the fit pass is one forward pass of the whole model per window plus, per token, a softmax over the
 vocabulary; its work files hold two d-vectors per token (about 4.7 KB per token for d = 576, 2.4 GB for 4096
@@ -34,6 +36,8 @@ importable from the package itself (`from precompute import attribution as cache
 """
 from precompute.attribution.cache import (
     BUILD_HINT,
+    EXACT_ARRAYS,
+    EXACT_FORMAT,
     NAME,
     RERANK,
     attribution_rows,
@@ -60,7 +64,7 @@ from precompute.attribution.job import (
     work_folder,
 )
 
-__all__ = ["BUILD_HINT", "JOB", "KEEP_HOOK", "KILL_HOOK", "NAME", "RERANK", "AttributionArgs", "add_arguments",
-           "attribution_args", "attribution_rows", "document_text", "exact_folder", "has_attribution",
-           "index_folder_for", "kept_tokens_folder", "load_curvature", "load_exact_store", "load_factors",
-           "load_index", "run", "sequence_token_ids", "sequences", "work_folder"]
+__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_FORMAT", "JOB", "KEEP_HOOK", "KILL_HOOK", "NAME", "RERANK",
+           "AttributionArgs", "add_arguments", "attribution_args", "attribution_rows", "document_text",
+           "exact_folder", "has_attribution", "index_folder_for", "kept_tokens_folder", "load_curvature",
+           "load_exact_store", "load_factors", "load_index", "run", "sequence_token_ids", "sequences", "work_folder"]

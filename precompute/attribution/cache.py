@@ -130,27 +130,34 @@ def exact_folder(db: str | Path) -> Path:
     return Path(db).with_name(Path(db).name + ".attribution-exact")
 
 
-EXACT_ARRAYS = ("z", "e", "prototype_ids", "activations", "offsets")
+EXACT_ARRAYS = ("rows", "scales", "prototypes", "offsets")
+# 2: exact gradient rows per (sequence, prototype) in the eigenbasis of S; 1 (no "format" in meta.json): per-token
+# z and e, which this version does not read (rebuild with --overwrite)
+EXACT_FORMAT = 2
 
 
-def load_exact_store(con: duckdb.DuckDBPyConnection, prototypes: torch.Tensor,
-                     db_path: str | Path | None = None) -> ExactStore | None:
-    """The exact store the build wrote beside the database, memory-mapped; None when there is none or it belongs
-    to another build of the cache (logged). prototypes: the model's bank (K, d)."""
+def load_exact_store(con: duckdb.DuckDBPyConnection, db_path: str | Path | None = None) -> ExactStore | None:
+    """The exact store the build wrote beside the database, memory-mapped; None when there is none, it belongs
+    to another build of the cache or it is of an older format (logged)."""
     path = Path(db_path) if db_path is not None else _database_path(con)
     if path is None:
         return None
     folder = exact_folder(path)
-    if not (folder / "meta.json").is_file() or not all((folder / f"{n}.npy").is_file() for n in EXACT_ARRAYS):
+    if not (folder / "meta.json").is_file():
         return None
     meta = json.loads((folder / "meta.json").read_text())
+    if meta.get("format") != EXACT_FORMAT or not all((folder / f"{n}.npy").is_file() for n in EXACT_ARRAYS):
+        logger.warning("ignoring %s: an exact store of format %s, this version reads format %d; rebuild the "
+                       "attribution cache with --overwrite for the exact second stage", folder,
+                       meta.get("format", 1), EXACT_FORMAT)
+        return None
     n_sequences = con.execute("SELECT count(*) FROM attribution_sequences").fetchone()[0]
     if meta.get("run_id") != job_run_id(con, NAME) or meta.get("n_sequences") != n_sequences:
         logger.warning("ignoring %s: it was written by another build of the attribution cache", folder)
         return None
     arrays = {n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXACT_ARRAYS}
-    return ExactStore(arrays["z"], arrays["e"], arrays["prototype_ids"], arrays["activations"],
-                      np.asarray(arrays["offsets"]), prototypes)
+    return ExactStore(arrays["rows"], np.asarray(arrays["scales"]), np.asarray(arrays["prototypes"]),
+                      np.asarray(arrays["offsets"]))
 
 
 INDEX_ARRAYS = ("prototype_ids", "sequence_ids", "vectors", "counts", "targets", "activations")

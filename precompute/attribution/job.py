@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from precompute.attribution.cache import NAME, exact_folder, index_parts, load_factors
+from precompute.attribution.cache import EXACT_FORMAT, NAME, exact_folder, index_parts, load_factors
 from precompute.inputs import Context, Job, Window, document_windows
 from precompute.runs import (
     connect,
@@ -37,6 +37,7 @@ from prism import PrismForCausalLM
 from prism.attribution import (
     BlockWhitening,
     CurvatureAccumulator,
+    ExactStore,
     SequenceRows,
     TokenStats,
     next_token_targets,
@@ -173,30 +174,38 @@ def kept_tokens_folder(db: Path) -> Path:
     return Path(db).with_name(Path(db).name + ".attribution-tokens")
 
 
-def write_exact_store(files: TokenFiles, n_tokens: int, n_sequences: int, folder: Path, run_id: str,
-                      chunk: int = 1 << 16) -> None:
-    """The exact store from the fit pass's token files: z and e in float16 (half the bytes; a relative error of
-    about 5e-4 in a score), active prototypes, activations and each sequence's token offsets, as .npy files the
-    app memory-maps, and meta.json naming the run they belong to. Written atomically (replacing_folder)."""
-    d, k = files.layout["z"][1], files.layout["ids"][1]
+def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.ndarray, n_rows: int, folder: Path,
+                      run_id: str, output_vectors: torch.Tensor, sequences_per_chunk: int) -> None:
+    """The exact store from the fit pass's token files: every sequence's exact gradient rows (as the vectors pass
+    computes them, before whitening and projection) rotated by Q_S (output_vectors, the factors' own), float16
+    with a float32 scale per row, their prototype ids and each sequence's row offsets, as .npy files the app
+    memory-maps, and meta.json naming the run they belong to. Written atomically (replacing_folder)."""
+    n_sequences = len(offsets) - 1
+    d = int(output_vectors.shape[0])
     with replacing_folder(folder) as tmp:
-        out = {"z": np.lib.format.open_memmap(tmp / "z.npy", "w+", np.float16, (n_tokens, d)),
-               "e": np.lib.format.open_memmap(tmp / "e.npy", "w+", np.float16, (n_tokens, d)),
-               "ids": np.lib.format.open_memmap(tmp / "prototype_ids.npy", "w+", np.int32, (n_tokens, k)),
-               "acts": np.lib.format.open_memmap(tmp / "activations.npy", "w+", np.float32, (n_tokens, k))}
-        sequence = np.zeros(n_tokens, np.int64)
-        for lo in tqdm(range(0, n_tokens, chunk), desc="attribution: exact store", unit="chunk"):
-            hi = min(lo + chunk, n_tokens)
-            part = files.read(lo, hi)
-            for name, array in out.items():
-                array[lo:hi] = part[name]
-            sequence[lo:hi] = part["seq"][:, 0]
-        for array in out.values():
-            array.flush()
-        del out
-        np.save(tmp / "offsets.npy", np.searchsorted(sequence, np.arange(n_sequences + 1)).astype(np.int64))
-        (tmp / "meta.json").write_text(json.dumps({"run_id": run_id, "n_tokens": n_tokens,
-                                                   "n_sequences": n_sequences, "d_model": d, "top_k": k}))
+        rows = np.lib.format.open_memmap(tmp / "rows.npy", "w+", np.float16, (n_rows, d))
+        scales = np.zeros(n_rows, np.float32)
+        prototypes = np.zeros(n_rows, np.int32)
+        row_sequence = np.zeros(n_rows, np.int64)
+        at = 0
+        for lo in tqdm(range(0, n_sequences, sequences_per_chunk), desc="attribution: exact store", unit="chunk"):
+            part = _rows_for(model, files, offsets, lo, min(lo + sequences_per_chunk, n_sequences))
+            n = len(part.rows)
+            if at + n > n_rows:
+                raise RuntimeError(f"the exact store found more rows than the {n_rows} cached vectors")
+            rows[at: at + n], scales[at: at + n] = ExactStore.encode(part.rows, output_vectors)
+            prototypes[at: at + n] = part.prototype.numpy()
+            row_sequence[at: at + n] = part.sequence.numpy()
+            at += n
+        if at != n_rows:
+            raise RuntimeError(f"the exact store found {at} rows, the cache holds {n_rows} vectors")
+        rows.flush()
+        del rows
+        np.save(tmp / "scales.npy", scales)
+        np.save(tmp / "prototypes.npy", prototypes)
+        np.save(tmp / "offsets.npy", np.searchsorted(row_sequence, np.arange(n_sequences + 1)).astype(np.int64))
+        (tmp / "meta.json").write_text(json.dumps({"format": EXACT_FORMAT, "run_id": run_id, "n_rows": n_rows,
+                                                   "n_sequences": n_sequences, "d_model": d}))
 
 
 def _keep_tokens(db: Path, work: Path, state: FitState, d_model: int, top_k: int) -> None:
@@ -433,8 +442,11 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
         if get_progress(con, NAME, "phase") != "vectors":
             _write_factors(con, model, tokenizer, state, work, args, files, offsets)
         factors = load_factors(con)
-        written = _write_vectors(con, model, index_parts(factors), state, args, files, offsets)
-        write_exact_store(files, state.n_tokens, state.n_sequences, exact_folder(db), job_run_id(con, NAME))
+        parts = index_parts(factors)
+        written = _write_vectors(con, model, parts, state, args, files, offsets)
+        n_rows = con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0]
+        write_exact_store(model, files, offsets, n_rows, exact_folder(db), job_run_id(con, NAME),
+                          parts[0].output_vectors, args.sequences_per_chunk)
         with transaction(con):
             finish_job(con, NAME)
         summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
