@@ -30,6 +30,7 @@ RUNS = ("original", "intervened")
 EMPTY = "Click a generated token to see the training sequences behind it."
 
 _indexes: weakref.WeakKeyDictionary[Database, CachedIndex] = weakref.WeakKeyDictionary()
+_catalogs: weakref.WeakKeyDictionary[Database, cache.SequenceCatalog] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -40,6 +41,8 @@ def index_for(studio: Studio, db: Database) -> CachedIndex:
             if not db.run(cache.has_attribution):
                 raise AppError(f"{cache.BUILD_HINT}.")
             _indexes[db] = db.run(_load_index, db.path, studio.model.lm_head.weight)
+        if db not in _catalogs:  # the panel's spans and documents (an index set by hand comes without one)
+            _catalogs[db] = db.run(cache.SequenceCatalog)
         return _indexes[db]
 
 
@@ -76,7 +79,8 @@ def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) 
                 "message": "no prototype is active at this token"}
     scores, parts = cached.scores(ids, rows)
     best = [int(s) for s in top_sequences(scores, top)]
-    sequences = db.run(cache.attribution_rows, studio.tokenizer, best, scores, parts)
+    sequences = db.run(cache.attribution_rows, studio.tokenizer, best, scores, parts, store=cached.exact,
+                       catalog=_catalogs[db])
     for row in sequences:
         for p in row["prototypes"]:
             p["label"], p["category"] = studio.label(p["prototype_id"])

@@ -261,6 +261,7 @@ def run_cached(ns, work: Path) -> dict:
     store = cache.load_exact_store(con, ns.db) if ns.rerank else None
     index = cache.load_index(con, model.lm_head.weight, mode=ns.mode, extra=ns.extra, coverage=ns.coverage,
                              folder=work / "index" if ns.mmap else None, rerank=ns.rerank, exact=store)
+    catalog = cache.SequenceCatalog(con)  # as the app keeps it
     load_s = time.perf_counter() - t0
     latency, product, click, text, scores, read = [], [], [], [], [], []
     with torch.no_grad():
@@ -273,7 +274,8 @@ def run_cached(ns, work: Path) -> dict:
             s, parts = index.scores(ids, rows)
             best = top_sequences(s, TOP)
             t2 = time.perf_counter()
-            cache.attribution_rows(con, tokenizer, [int(b) for b in best], s, parts)  # the panel's text
+            cache.attribution_rows(con, tokenizer, [int(b) for b in best], s, parts, store=index.exact,
+                                   catalog=catalog)  # the panel's text
             t3 = time.perf_counter()
             latency.append(t2 - t0)
             product.append(t2 - t1)

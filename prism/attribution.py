@@ -478,14 +478,39 @@ class ExactStore:
     largest magnitude: no overflow, about 5e-4 relative error per entry). Arrays may be memory maps: a query reads
     its candidates' rows only (about 1.2 KB a row at d = 576)."""
 
-    def __init__(self, rows: np.ndarray, scales: np.ndarray, prototypes: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, rows: np.ndarray, scales: np.ndarray, prototypes: np.ndarray, offsets: np.ndarray,
+                 entries: dict[str, np.ndarray] | None = None) -> None:
         """rows (n, d) float16 (or float32), scales (n,), prototypes (n,) prototype id of each row, offsets
-        (n_sequences + 1,) where each sequence's rows start."""
+        (n_sequences + 1,) where each sequence's rows start; entries (optional, for display): "counts" (n,)
+        entries per row and, row after row, each entry's "positions" (token position in its sequence),
+        "activations" and "targets" (the token predicted there), as SequenceRows holds them."""
         if not (len(rows) == len(scales) == len(prototypes) == int(offsets[-1])) or int(offsets[0]) != 0:
             raise ValueError(f"the exact store's arrays disagree: {len(rows)} rows, {len(scales)} scales, "
                              f"{len(prototypes)} prototype ids, offsets from {int(offsets[0])} to {int(offsets[-1])}")
         self.rows, self.scales, self.prototypes = rows, scales, prototypes
         self.offsets = np.asarray(offsets, np.int64)  # (n_sequences + 1,)
+        self.entries = None
+        if entries is not None:
+            counts = np.asarray(entries["counts"], np.int64)
+            n_entries = int(counts.sum())
+            if len(counts) != len(rows) or any(len(entries[k]) != n_entries
+                                               for k in ("positions", "activations", "targets")):
+                raise ValueError(f"the exact store's entries disagree with its {len(rows)} rows: "
+                                 + ", ".join(f"{k} {len(v)}" for k, v in entries.items()))
+            self.entries = {k: v for k, v in entries.items() if k != "counts"}
+            self.entry_offsets = np.concatenate([[0], np.cumsum(counts)])  # (n + 1,)
+
+    def active(self, sequence: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where each prototype was active in one sequence: (prototype, position, activation, target) per entry
+        (arrays in row order, each row's entries in text order). LookupError when the store has no entries."""
+        if self.entries is None:
+            raise LookupError("this exact store holds no entries (written before they were stored)")
+        a, b = int(self.offsets[sequence]), int(self.offsets[sequence + 1])
+        lo, hi = int(self.entry_offsets[a]), int(self.entry_offsets[b])
+        prototype = np.repeat(np.asarray(self.prototypes[a:b], np.int64), np.diff(self.entry_offsets[a: b + 1]))
+        return (prototype, np.asarray(self.entries["positions"][lo:hi], np.int64),
+                np.asarray(self.entries["activations"][lo:hi], np.float64),
+                np.asarray(self.entries["targets"][lo:hi], np.int64))
 
     @staticmethod
     def encode(rows: torch.Tensor, output_vectors: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -501,7 +526,9 @@ class ExactStore:
     def shares(self, sequences: np.ndarray, h: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Exact shares of the given sequences (M,) for the preconditioned query h (K, d) in the eigenbasis of S
         (h Q_S): (sequence index into `sequences`, prototype id, share) per row with a non-zero share. Each
-        sequence's rows are one contiguous slice; the float16 rows are widened by torch (vectorised)."""
+        sequence's rows are one contiguous slice, scored where they lie (a product and a sum per sequence: 3.5 ms
+        for 50 sequences of 170 rows at d = 576, against 5 ms gathered into one array first and 18 ms as one
+        einsum)."""
         spans = [(int(self.offsets[s]), int(self.offsets[s + 1])) for s in np.asarray(sequences).tolist()]
         if sum(b - a for a, b in spans) == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
@@ -511,9 +538,14 @@ class ExactStore:
             return np.concatenate([array[a:b] for a, b in spans])
 
         prototype = read(self.prototypes).astype(np.int64)  # (n,)
-        rows = torch.from_numpy(read(self.rows)).float()  # (n, d)
-        values = torch.einsum("nd,nd->n", h.float()[torch.from_numpy(prototype)], rows).double().numpy()
-        values *= read(self.scales)
+        index, h = torch.from_numpy(prototype), h.float()
+        values = torch.empty(len(prototype))
+        at = 0
+        for a, b in spans:  # a sequence at a time: its rows read in place, its gathered h rows stay in cache
+            rows = torch.from_numpy(np.asarray(self.rows[a:b]))  # float16, widened by the product
+            values[at: at + b - a] = (h[index[at: at + b - a]] * rows).sum(-1)
+            at += b - a
+        values = values.double().numpy() * read(self.scales)
         keep = values != 0
         return owner[keep], prototype[keep], values[keep]
 

@@ -347,6 +347,74 @@ def test_the_exact_stores_rows_are_each_sequences_bank_gradient_by_autograd(load
         assert float(expected[others].abs().max()) == 0.0
 
 
+def test_the_exact_stores_entries_are_the_databases_and_the_panel_reads_either_alike(loaded):
+    """The store's entries of a sequence (prototype, token position, activation, predicted token) are the rows the
+    database holds for it, entry for entry; the panel built from the store's entries equals the panel built from
+    the database, and a store without entries (written before they were kept) still scores and falls back."""
+    from prism.attribution import ExactStore
+
+    model, con, tok = loaded["model"], loaded["con"], loaded["tokenizer"]
+    store = cache.load_exact_store(con)
+    assert store.entries is not None
+    for s in range(len(loaded["sequences"])):
+        want = [[], [], [], []]
+        for p, positions, acts, targets in con.execute(
+                "SELECT prototype_id, token_positions, activations, target_ids FROM attribution_vectors "
+                "WHERE sequence_id = ? ORDER BY prototype_id", [s]).fetchall():
+            for column, values in zip(want, ([p] * len(positions), positions, acts, targets)):
+                column.extend(values)
+        got = store.active(s)
+        for column, (a, b) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(a, np.asarray(b, np.float64), rtol=1e-6, err_msg=f"sequence {s}, {column}")
+    sequences = loaded["sequences"]
+    query = query_gradient(model, torch.as_tensor(sequences[7][None, :10]), 9, int(sequences[7][10]))
+    scores, parts = cache.load_index(con, model.lm_head.weight, rerank=8, exact=store).scores(*query)
+    best = [int(b) for b in top_sequences(scores, 5)]
+    from_store = cache.attribution_rows(con, tok, best, scores, parts, store=store)
+    from_database = cache.attribution_rows(con, tok, best, scores, parts)
+    assert [r["prototypes"] for r in from_store] == [r["prototypes"] for r in from_database]
+    for a, b in zip(from_store, from_database):
+        assert [g["text"] for g in a["segments"]] == [g["text"] for g in b["segments"]]
+        np.testing.assert_allclose([g["activation"] for g in a["segments"]],
+                                   [g["activation"] for g in b["segments"]], rtol=1e-9, atol=1e-12)
+        assert any(g["activation"] > 0 for g in a["segments"])
+    bare = ExactStore(store.rows, store.scales, store.prototypes, store.offsets)
+    with pytest.raises(LookupError, match="no entries"):
+        bare.active(0)
+    again, _ = cache.load_index(con, model.lm_head.weight, rerank=8, exact=bare).scores(*query)
+    np.testing.assert_array_equal(again, scores)
+    assert [r["segments"] for r in cache.attribution_rows(con, tok, best, scores, parts, store=bare)] == \
+        [r["segments"] for r in from_database]
+    with pytest.raises(ValueError, match="entries disagree"):
+        ExactStore(store.rows, store.scales, store.prototypes, store.offsets,
+                   entries={"counts": np.ones(3), "positions": [], "activations": [], "targets": []})
+
+
+def test_exact_shares_equal_one_float64_product():
+    """ExactStore.shares scores its candidates' rows a sequence at a time, where they lie: the same as one float64
+    product of the decoded rows with h, candidates in any order, empty sequences included."""
+    from prism.attribution import ExactStore
+
+    gen = torch.Generator().manual_seed(3)
+    n_seq, k, d = 9, 6, 8
+    counts = torch.randint(0, 5, (n_seq,), generator=gen).numpy()
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    prototypes = np.concatenate([np.sort(np.random.default_rng(s).choice(k, c, replace=False)) for s, c in
+                                 enumerate(counts)]).astype(np.int32)
+    rows, scales = ExactStore.encode(torch.randn(int(offsets[-1]), d, generator=gen), torch.eye(d))
+    store = ExactStore(rows, scales, prototypes, offsets)
+    h = torch.randn(k, d, generator=gen)
+    candidates = np.array([7, 0, 3, 8])
+    decoded = rows.astype(np.float64) * scales[:, None].astype(np.float64)
+    want = [float(decoded[j] @ h[int(prototypes[j])].double().numpy())
+            for s in candidates for j in range(offsets[s], offsets[s + 1])]
+    assert 0 in counts[candidates]  # a candidate with no rows
+    owner, prototype, share = store.shares(candidates, h)
+    np.testing.assert_allclose(share, want, rtol=1e-5)
+    assert prototype.tolist() == [int(prototypes[j]) for s in candidates for j in range(offsets[s], offsets[s + 1])]
+    assert owner.tolist() == [i for i, s in enumerate(candidates) for _ in range(counts[s])]
+
+
 @pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     for where in ("fit:2", "vectors:2"):
@@ -365,7 +433,8 @@ def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
         precompute_main(_argv(setup, db))
         assert _dump(db) == _dump(built), where
         assert not cache.work_folder(db).exists()
-        for name in importlib.import_module("precompute.attribution.cache").EXACT_ARRAYS:  # the exact store too
+        stored = importlib.import_module("precompute.attribution.cache")
+        for name in stored.EXACT_ARRAYS + stored.EXACT_ENTRY_ARRAYS:  # the exact store too
             resumed, whole = (np.load(cache.exact_folder(path) / f"{name}.npy") for path in (db, built))
             np.testing.assert_array_equal(resumed, whole, err_msg=f"{where}: {name}")
 
@@ -385,7 +454,7 @@ def test_rerun_is_idempotent_and_other_arguments_are_refused(setup, built, tmp_p
     assert _dump(db) == before
 
 
-def test_pointer_only_database_reads_attribution_text_back(setup, tmp_path):
+def test_pointer_only_database_reads_attribution_text_back(setup, tmp_path, monkeypatch):
     db, shipped = tmp_path / "default.duckdb", tmp_path / "shipped.duckdb"
     precompute_main(["build", "--model", setup["model"], "--corpus", "default", "--db", str(db), "--jobs",
                      "attribution", "--seq-len", "32", "--limit", "2", "--attribution-max-sequences", "6"])
@@ -401,6 +470,14 @@ def test_pointer_only_database_reads_attribution_text_back(setup, tmp_path):
     b = cache.attribution_rows(stripped, tok, [5, 2], scores, parts)
     assert [r["error"] for r in b] == [None, None]
     assert [r["segments"] for r in a] == [r["segments"] for r in b]
+    # the in-memory catalog gives the same rows as the query, whether the database stores its text or not
+    for con, want in ((full, a), (stripped, b)):
+        assert cache.attribution_rows(con, tok, [5, 2], scores, parts, catalog=cache.SequenceCatalog(con)) == want
+    monkeypatch.setattr(cache.SequenceCatalog, "TEXT_BUDGET", 10)  # over the budget: the text is read per click
+    catalog = cache.SequenceCatalog(full)
+    assert catalog._text is None
+    assert cache.attribution_rows(full, tok, [5, 2], scores, parts, catalog=catalog) == a
+    assert all(r["text"] for r in cache.SequenceCatalog.rows(full, [0, 5], cache.SequenceCatalog(full)).values())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -37,9 +37,11 @@ importable from the package itself (`from precompute import attribution as cache
 from precompute.attribution.cache import (
     BUILD_HINT,
     EXACT_ARRAYS,
+    EXACT_ENTRY_ARRAYS,
     EXACT_FORMAT,
     NAME,
     RERANK,
+    SequenceCatalog,
     attribution_rows,
     document_text,
     exact_folder,
@@ -64,7 +66,8 @@ from precompute.attribution.job import (
     work_folder,
 )
 
-__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_FORMAT", "JOB", "KEEP_HOOK", "KILL_HOOK", "NAME", "RERANK",
-           "AttributionArgs", "add_arguments", "attribution_args", "attribution_rows", "document_text",
-           "exact_folder", "has_attribution", "index_folder_for", "kept_tokens_folder", "load_curvature",
-           "load_exact_store", "load_factors", "load_index", "run", "sequence_token_ids", "sequences", "work_folder"]
+__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_ENTRY_ARRAYS", "EXACT_FORMAT", "JOB", "KEEP_HOOK", "KILL_HOOK", "NAME",
+           "RERANK", "SequenceCatalog", "AttributionArgs", "add_arguments", "attribution_args", "attribution_rows",
+           "document_text", "exact_folder", "has_attribution", "index_folder_for", "kept_tokens_folder",
+           "load_curvature", "load_exact_store", "load_factors", "load_index", "run", "sequence_token_ids", "sequences",
+           "work_folder"]

@@ -131,6 +131,9 @@ def exact_folder(db: str | Path) -> Path:
 
 
 EXACT_ARRAYS = ("rows", "scales", "prototypes", "offsets")
+# Each row's entries (token position, activation, predicted token), for the panel's highlighting without a database
+# query; a store written before they were added (still format 2) scores the same and the panel reads the database.
+EXACT_ENTRY_ARRAYS = ("entry_counts", "entry_positions", "entry_activations", "entry_targets")
 # 2: exact gradient rows per (sequence, prototype) in the eigenbasis of S; 1 (no "format" in meta.json): per-token
 # z and e, which this version does not read (rebuild with --overwrite)
 EXACT_FORMAT = 2
@@ -155,9 +158,13 @@ def load_exact_store(con: duckdb.DuckDBPyConnection, db_path: str | Path | None 
     if meta.get("run_id") != job_run_id(con, NAME) or meta.get("n_sequences") != n_sequences:
         logger.warning("ignoring %s: it was written by another build of the attribution cache", folder)
         return None
-    arrays = {n: np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXACT_ARRAYS}
+    # copy-on-write maps: never written, but writable arrays become tensors without a copy or a warning
+    arrays = {n: np.load(folder / f"{n}.npy", mmap_mode="c") for n in EXACT_ARRAYS}
+    entries = None
+    if all((folder / f"{n}.npy").is_file() for n in EXACT_ENTRY_ARRAYS):
+        entries = {n.removeprefix("entry_"): np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXACT_ENTRY_ARRAYS}
     return ExactStore(arrays["rows"], np.asarray(arrays["scales"]), np.asarray(arrays["prototypes"]),
-                      np.asarray(arrays["offsets"]))
+                      np.asarray(arrays["offsets"]), entries=entries)
 
 
 INDEX_ARRAYS = ("prototype_ids", "sequence_ids", "vectors", "counts", "targets", "activations")
@@ -325,31 +332,73 @@ def sequence_token_ids(con: duckdb.DuckDBPyConnection, tokenizer) -> list[np.nda
     return out
 
 
+class SequenceCatalog:
+    """Every training sequence's span and its document's fields, in memory (about 200 bytes a sequence), so the
+    panel's rows need no database query per click (2.5 ms of its 7 at 3,072 sequences). Stored document text is
+    kept too while it totals at most TEXT_BUDGET characters (0.8 MB for the 152 documents behind 3,072 default
+    sequences), else read from the database per click; a pointer-only database's text comes from the installed
+    corpus either way."""
+
+    TEXT_BUDGET = 64_000_000
+
+    COLUMNS = ("sequence_id", "doc_id", "seq_token_start", "seq_token_end", "char_start", "char_end", "source", "url",
+               "title", "text", "sha256")  # the panel's row, in order; text is None here for every document
+    SELECT = """
+        SELECT s.sequence_id, s.doc_id, s.seq_token_start, s.seq_token_end, s.char_start, s.char_end,
+               d.source, d.url, d.title, {text}, d.sha256
+        FROM attribution_sequences s JOIN attribution_documents d USING (doc_id)"""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        cur = con.execute(self.SELECT.format(text="d.text IS NOT NULL"))
+        self._rows = {r[0]: r for r in cur.fetchall()}  # sequence id -> the row, with "stores its text" for text
+        stored = con.execute("SELECT coalesce(sum(length(text)), 0) FROM attribution_documents").fetchone()[0]
+        self._text = dict(con.execute("SELECT doc_id, text FROM attribution_documents WHERE text IS NOT NULL"
+                                      ).fetchall()) if stored <= self.TEXT_BUDGET else None
+
+    @classmethod
+    def rows(cls, con: duckdb.DuckDBPyConnection, sequence_ids: list[int],
+             catalog: SequenceCatalog | None = None) -> dict[int, dict]:
+        """{sequence id: the panel's row} for the given sequences; from the catalog when called on one (text read
+        from the database only for documents that store it), else one query."""
+        ids = [int(s) for s in sequence_ids]
+        if catalog is None:
+            marks = ", ".join("?" for _ in ids)
+            cur = con.execute(cls.SELECT.format(text="d.text") + f" WHERE s.sequence_id IN ({marks})", ids)
+            return {r[0]: dict(zip(cls.COLUMNS, r)) for r in cur.fetchall()}
+        out = {s: dict(zip(cls.COLUMNS, catalog._rows[s])) for s in ids if s in catalog._rows}
+        stored = sorted({r["doc_id"] for r in out.values() if r["text"]})
+        if catalog._text is not None:
+            text = catalog._text
+        elif stored:
+            text = dict(con.execute(f"SELECT doc_id, text FROM attribution_documents WHERE doc_id IN "
+                                    f"({', '.join('?' for _ in stored)})", stored).fetchall())
+        else:
+            text = {}
+        for r in out.values():
+            r["text"] = text.get(r["doc_id"])
+        return out
+
+
 def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: list[int], scores: np.ndarray,
-                     parts: dict[int, np.ndarray], context_chars: int = 240) -> list[dict]:
+                     parts: dict[int, np.ndarray], context_chars: int = 240,
+                     store: ExactStore | None = None, catalog: SequenceCatalog | None = None) -> list[dict]:
     """The top training sequences as the app shows them: score, document, spans, the prototypes that carry the
-    score, and the text around the tokens where those prototypes are active, highlighted by their share."""
+    score, and the text around the tokens where those prototypes are active, highlighted by their share. Where
+    they were active comes from the exact store's entries when it has them (a slice per sequence), else from the
+    database (one query over the sequences' rows); their documents and spans from `catalog` when given (no query
+    for a pointer-only database), else from the database."""
     if not sequence_ids:
         return []
-    marks = ", ".join("?" for _ in sequence_ids)
-    cur = con.execute(f"""
-        SELECT s.sequence_id, s.doc_id, s.seq_token_start, s.seq_token_end, s.char_start, s.char_end,
-               d.source, d.url, d.title, d.text, d.sha256
-        FROM attribution_sequences s JOIN attribution_documents d USING (doc_id)
-        WHERE s.sequence_id IN ({marks})""", [int(s) for s in sequence_ids])
-    names = [c[0] for c in cur.description]
-    meta = {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
+    meta = SequenceCatalog.rows(con, sequence_ids, catalog)
     # each prototype's share in each of these sequences (a reranked query holds hundreds of prototypes, most of
     # them zero in any one sequence)
-    proto_ids = list(parts)
-    share_of = np.stack([parts[p][np.asarray(sequence_ids, np.int64)] for p in proto_ids]) if proto_ids else \
-        np.zeros((0, len(sequence_ids)))  # (P, n)
-    held = {proto_ids[i] for i in np.flatnonzero(np.any(share_of != 0, axis=1)).tolist()}
-    # one equality per sequence: each reads only the row groups of its sequence (rows are stored in sequence
-    # order), where an IN list scans the whole table (26 -> 8 ms for 10 sequences of a 24,576-sequence cache)
-    union = " UNION ALL ".join("SELECT sequence_id, prototype_id, token_positions, activations, target_ids "
-                               "FROM attribution_vectors WHERE sequence_id = ?" for _ in sequence_ids)
-    active = [r for r in con.execute(union, [int(s) for s in sequence_ids]).fetchall() if r[1] in held]
+    proto_ids = np.fromiter(parts, np.int64, len(parts))
+    share_of = np.stack([parts[p][np.asarray(sequence_ids, np.int64)] for p in proto_ids.tolist()]) if len(parts) \
+        else np.zeros((0, len(sequence_ids)))  # (P, n)
+    row_of = np.full(int(proto_ids.max()) + 1 if len(proto_ids) else 0, -1)  # prototype id -> row of share_of
+    row_of[proto_ids] = np.arange(len(proto_ids))
+    held = set(proto_ids[np.any(share_of != 0, axis=1)].tolist())
+    active = _active_entries(con, sequence_ids, held, store)
     out = []
     for rank, sid in enumerate(sequence_ids):
         row = meta[int(sid)]
@@ -358,19 +407,44 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
             text = document_text(row["doc_id"], row.pop("text"), row["sha256"])
         except (KeyError, ValueError, ImportError) as err:
             error = str(err)
-        shares = {proto_ids[i]: float(share_of[i, rank]) for i in np.flatnonzero(share_of[:, rank]).tolist()}
-        weight: dict[int, float] = {}  # token position in the sequence -> highlight weight
-        targets: dict[int, int] = {}  # token position -> the token that follows it (what the cache recorded)
-        for s, p, positions, acts, target_ids in active:
-            if s == sid:
-                for pos, act, target in zip(positions, acts, target_ids):
-                    weight[pos] = weight.get(pos, 0.0) + float(act) * max(shares.get(p, 0.0), 0.0)
-                    targets[pos] = target
+        carried = np.flatnonzero(share_of[:, rank])
+        carried = carried[np.lexsort((proto_ids[carried], -share_of[carried, rank]))]  # largest share first
+        prototype, positions, acts, target_ids = active[int(sid)]
+        gain = acts * np.maximum(share_of[row_of[prototype], rank], 0.0)  # every entry's prototype is held
+        at, where = np.unique(positions, return_inverse=True)
+        # token position in the sequence -> highlight weight, and -> the token that follows it (as recorded)
+        weight = dict(zip(at.tolist(), np.bincount(where, gain, minlength=len(at)).tolist()))
+        targets = dict(zip(positions.tolist(), target_ids.tolist()))
         segments = [] if text is None else _highlight(text, tokenizer, row, weight, context_chars, targets)
         out.append({**row, "rank": rank, "score": float(scores[sid]),
-                    "prototypes": [{"prototype_id": p, "contribution": shares[p]}
-                                   for p in sorted(shares, key=lambda p: -shares[p])],
+                    "prototypes": [{"prototype_id": p, "contribution": c} for p, c in
+                                   zip(proto_ids[carried].tolist(), share_of[carried, rank].tolist())],
                     "segments": segments, "error": error})
+    return out
+
+
+def _active_entries(con: duckdb.DuckDBPyConnection, sequence_ids: list[int], held: set[int],
+                    store: ExactStore | None) -> dict[int, tuple[np.ndarray, ...]]:
+    """Per sequence, its entries of the prototypes in `held`: (prototype, position, activation, target) arrays."""
+    out = {}
+    if store is not None and store.entries is not None:
+        for sid in sequence_ids:
+            prototype, *rest = store.active(int(sid))
+            keep = np.isin(prototype, list(held))
+            out[int(sid)] = (prototype[keep], *(a[keep] for a in rest))
+        return out
+    # one equality per sequence: each reads only the row groups of its sequence (rows are stored in sequence
+    # order), where an IN list scans the whole table (26 -> 8 ms for 10 sequences of a 24,576-sequence cache)
+    union = " UNION ALL ".join("SELECT sequence_id, prototype_id, token_positions, activations, target_ids "
+                               "FROM attribution_vectors WHERE sequence_id = ?" for _ in sequence_ids)
+    found: dict[int, list[list]] = {int(s): [[], [], [], []] for s in sequence_ids}
+    for s, p, positions, acts, target_ids in con.execute(union, [int(s) for s in sequence_ids]).fetchall():
+        if p in held:
+            for column, values in zip(found[s], ([p] * len(positions), positions, acts, target_ids)):
+                column.extend(values)
+    for s, (prototype, positions, acts, target_ids) in found.items():
+        out[s] = (np.asarray(prototype, np.int64), np.asarray(positions, np.int64), np.asarray(acts, np.float64),
+                  np.asarray(target_ids, np.int64))
     return out
 
 

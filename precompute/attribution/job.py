@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from precompute.attribution.cache import EXACT_FORMAT, NAME, exact_folder, index_parts, load_factors
+from precompute.attribution.cache import EXACT_ENTRY_ARRAYS, EXACT_FORMAT, NAME, exact_folder, index_parts, load_factors
 from precompute.inputs import Context, Job, Window, document_windows
 from precompute.runs import (
     connect,
@@ -179,7 +179,8 @@ def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.nd
     """The exact store from the fit pass's token files: every sequence's exact gradient rows (as the vectors pass
     computes them, before whitening and projection) rotated by Q_S (output_vectors, the factors' own), float16
     with a float32 scale per row, their prototype ids and each sequence's row offsets, as .npy files the app
-    memory-maps, and meta.json naming the run they belong to. Written atomically (replacing_folder)."""
+    memory-maps, each row's entries (token position, activation, predicted token: what the app's panel
+    highlights), and meta.json naming the run they belong to. Written atomically (replacing_folder)."""
     n_sequences = len(offsets) - 1
     d = int(output_vectors.shape[0])
     with replacing_folder(folder) as tmp:
@@ -187,6 +188,7 @@ def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.nd
         scales = np.zeros(n_rows, np.float32)
         prototypes = np.zeros(n_rows, np.int32)
         row_sequence = np.zeros(n_rows, np.int64)
+        entries: dict[str, list[np.ndarray]] = {name: [] for name in EXACT_ENTRY_ARRAYS}
         at = 0
         for lo in tqdm(range(0, n_sequences, sequences_per_chunk), desc="attribution: exact store", unit="chunk"):
             part = _rows_for(model, files, offsets, lo, min(lo + sequences_per_chunk, n_sequences))
@@ -196,6 +198,10 @@ def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.nd
             rows[at: at + n], scales[at: at + n] = ExactStore.encode(part.rows, output_vectors)
             prototypes[at: at + n] = part.prototype.numpy()
             row_sequence[at: at + n] = part.sequence.numpy()
+            entries["entry_counts"].append(part.offsets.diff().numpy().astype(np.int32))
+            entries["entry_positions"].append(part.entry_position.numpy().astype(np.int32))
+            entries["entry_activations"].append(part.entry_activation.numpy().astype(np.float32))
+            entries["entry_targets"].append(part.entry_target.numpy().astype(np.int32))
             at += n
         if at != n_rows:
             raise RuntimeError(f"the exact store found {at} rows, the cache holds {n_rows} vectors")
@@ -204,6 +210,8 @@ def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.nd
         np.save(tmp / "scales.npy", scales)
         np.save(tmp / "prototypes.npy", prototypes)
         np.save(tmp / "offsets.npy", np.searchsorted(row_sequence, np.arange(n_sequences + 1)).astype(np.int64))
+        for name, parts in entries.items():  # the panel's highlighting: where each row's prototype was active
+            np.save(tmp / f"{name}.npy", np.concatenate(parts) if parts else np.zeros(0, np.int32))
         (tmp / "meta.json").write_text(json.dumps({"format": EXACT_FORMAT, "run_id": run_id, "n_rows": n_rows,
                                                    "n_sequences": n_sequences, "d_model": d}))
 
