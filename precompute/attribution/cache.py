@@ -333,8 +333,8 @@ def sequence_token_ids(con: duckdb.DuckDBPyConnection, tokenizer) -> list[np.nda
 
 
 class SequenceCatalog:
-    """Every training sequence's span and its document's fields, in memory (about 200 bytes a sequence), so the
-    panel's rows need no database query per click (2.5 ms of its 7 at 3,072 sequences). Stored document text is
+    """Every training sequence's span and its document's fields, in memory (3.2 MB for 3,072 sequences, their
+    text included), so the panel's rows need no database query per click (2.5 ms of its 7). Stored document text is
     kept too while it totals at most TEXT_BUDGET characters (0.8 MB for the 152 documents behind 3,072 default
     sequences), else read from the database per click; a pointer-only database's text comes from the installed
     corpus either way."""
