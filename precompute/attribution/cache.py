@@ -342,7 +342,7 @@ class SequenceCatalog:
     TEXT_BUDGET = 64_000_000
 
     COLUMNS = ("sequence_id", "doc_id", "seq_token_start", "seq_token_end", "char_start", "char_end", "source", "url",
-               "title", "text", "sha256")  # the panel's row, in order; text is None here for every document
+               "title", "text", "sha256")  # the panel's row, in order (the catalog keeps "stores its text" for text)
     SELECT = """
         SELECT s.sequence_id, s.doc_id, s.seq_token_start, s.seq_token_end, s.char_start, s.char_end,
                d.source, d.url, d.title, {text}, d.sha256
@@ -358,8 +358,8 @@ class SequenceCatalog:
     @classmethod
     def rows(cls, con: duckdb.DuckDBPyConnection, sequence_ids: list[int],
              catalog: SequenceCatalog | None = None) -> dict[int, dict]:
-        """{sequence id: the panel's row} for the given sequences; from the catalog when called on one (text read
-        from the database only for documents that store it), else one query."""
+        """{sequence id: the panel's row} for the given sequences: from the catalog when given (its kept text, or
+        over its budget one query for the documents that store theirs), else one query."""
         ids = [int(s) for s in sequence_ids]
         if catalog is None:
             marks = ", ".join("?" for _ in ids)
