@@ -428,9 +428,10 @@ def _active_entries(con: duckdb.DuckDBPyConnection, sequence_ids: list[int], hel
     """Per sequence, its entries of the prototypes in `held`: (prototype, position, activation, target) arrays."""
     out = {}
     if store is not None and store.entries is not None:
+        held_ids = np.fromiter(held, np.int64, len(held))
         for sid in sequence_ids:
             prototype, *rest = store.active(int(sid))
-            keep = np.isin(prototype, list(held))
+            keep = np.isin(prototype, held_ids)
             out[int(sid)] = (prototype[keep], *(a[keep] for a in rest))
         return out
     # one equality per sequence: each reads only the row groups of its sequence (rows are stored in sequence
