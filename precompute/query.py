@@ -129,7 +129,7 @@ def evidence(con: duckdb.DuckDBPyConnection, prototype_id, limit: int = 10, offs
         if text is None:  # pointer-only database
             try:
                 text = _resolve_text(row["doc_id"], row["sha256"])
-            except (KeyError, ValueError, ImportError) as err:
+            except (KeyError, ValueError, ImportError, OSError) as err:  # OSError: an npm source not fetched
                 error = str(err)
         row["error"] = error
         row["segments"] = [] if text is None else _segments(text, row)
@@ -168,7 +168,7 @@ def check_documents(con: duckdb.DuckDBPyConnection, max_errors: int = 5) -> dict
         try:
             _resolve_text(doc_id, sha256)
             resolved += 1
-        except (KeyError, ValueError, ImportError) as err:
+        except (KeyError, ValueError, ImportError, OSError) as err:  # OSError: an npm source not fetched
             if len(errors) < max_errors:
                 errors.append(str(err))
     total = con.execute("SELECT count(*) FROM documents").fetchone()[0]

