@@ -17,8 +17,9 @@ and then OUT/summary.json: the numbers issue 20 judges (coverage, CE gap, dead s
 labels, the category mix, assets size) against its goals.
 
 The defaults are issue 20's choice: lambda_r1 = lambda_r2 = 1 (the loss-weight sweep in docs/RESULTS.md), K = 1024,
-k = 8, the top 2 layers, 2.05M training tokens with no source above 40%, mixed precision (--autocast bfloat16)
-so that the whole recipe fits a few hours of two CPU cores.
+k = 8, the top 2 layers, 2.05M training tokens with no source above 40%, mixed precision where the machine runs
+bfloat16 natively (--autocast auto) so that the whole recipe fits a few hours of two CPU cores. Without native
+bfloat16 (an AVX2-only CPU) it runs in float32, about 4 h for the training stages alone on two cores.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
         "ship": [py + ["precompute.ship", "--model", str(prism), "--db", str(db), "--out", str(out / "assets"),
                        "--overwrite"]],
     }
+
+
+def _resolve_autocast(args: argparse.Namespace, out: Path) -> str:
+    """--autocast for both runs: a resumed release keeps the precision it started with (its dense baseline must
+    match its PRISM run), a new one resolves 'auto' on this machine."""
+    from prism.train import native_bfloat16, resolve_autocast
+
+    recorded = out / "release_args.json"
+    if args.autocast == "auto" and recorded.is_file():
+        before = json.loads(recorded.read_text()).get("autocast")
+        if before in ("none", "bfloat16"):
+            return before
+    value = resolve_autocast(args.autocast)
+    logger.info("precision: %s (%s)", "bfloat16 mixed" if value == "bfloat16" else "float32",
+                "native bfloat16 on this CPU" if native_bfloat16() else "this CPU has no native bfloat16")
+    return value
 
 
 def run_stage(name: str, cmds: list[list[str]], out: Path) -> None:
@@ -183,7 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     model.add_argument("--seq-len", type=int, default=256)
     model.add_argument("--batch-size", type=int, default=8)
     model.add_argument("--dead-every", type=int, default=100)
-    model.add_argument("--autocast", default="bfloat16", choices=("none", "bfloat16"))
+    model.add_argument("--autocast", default="auto", choices=("auto", "none", "bfloat16"),
+                       help="mixed precision of both training runs; auto: bfloat16 where the CPU or GPU runs it "
+                            "natively (AVX-512/AMX, CUDA), float32 elsewhere (an AVX2-only CPU emulates bfloat16 "
+                            "about 50x slower); resolved once and recorded in OUT/release_args.json")
     measure = parser.add_argument_group("evaluation and evidence")
     measure.add_argument("--val-tokens", type=int, default=32768, help="held-out tokens prism.eval scores")
     measure.add_argument("--evidence-docs", type=int, default=400, help="documents the evidence database covers")
@@ -196,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokens < args.batch_size * args.seq_len or not 0 < args.max_source_share <= 1:
         cli.fail(parser, "--tokens must cover at least one batch and --max-source-share must be in (0, 1]")
     out = Path(args.out)
+    args.autocast = _resolve_autocast(args, out)
     cmds = commands(args)
     if args.dry_run:
         for name in [s for s in STAGES if s in chosen]:

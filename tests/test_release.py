@@ -10,6 +10,8 @@ import pytest
 from helpers import tiny_backbone_dir, write_corpus
 
 from precompute.release import STAGES, main
+from prism import train as train_module
+from prism.train import resolve_autocast
 
 
 def _argv(tmp_path: Path, backbone: str, corpus: str, *extra: str) -> list[str]:
@@ -27,9 +29,28 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
     # the baseline is the PRISM run's command with --dense-baseline and its own folder: same data, steps, precision
     assert dense.replace("[dense]", "").replace(" --dense-baseline", "").replace("/dense", "/prism") == \
         prism.replace("[prism]", "")
-    assert "--autocast bfloat16" in prism and "--lambda-r1 1.0 --lambda-r2 1.0" in prism
+    assert f"--autocast {resolve_autocast('auto')}" in prism and "--lambda-r1 1.0 --lambda-r2 1.0" in prism
     assert "--steps 1001" in prism  # 2.05M tokens / (8 x 256)
     assert not (tmp_path / "rel").exists()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_precision_follows_the_machine_and_a_started_release_keeps_its_own(tmp_path, capsys, monkeypatch, native):
+    """--autocast auto: bfloat16 only where the machine runs it natively (an AVX2-only CPU emulates it about 50x
+    slower); a release that already started keeps the precision it recorded, so its dense baseline matches."""
+    monkeypatch.setattr(train_module, "native_bfloat16", lambda device="cpu": native)
+    main(["--out", str(tmp_path / "rel"), "--dry-run"])
+    prism = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[prism]"))
+    assert f"--autocast {'bfloat16' if native else 'none'}" in prism
+    (tmp_path / "rel").mkdir()
+    (tmp_path / "rel" / "release_args.json").write_text(json.dumps({"autocast": "none" if native else "bfloat16"}))
+    main(["--out", str(tmp_path / "rel"), "--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    assert all(f"--autocast {'none' if native else 'bfloat16'}" in line for line in lines
+               if line.startswith(("[prism]", "[dense]")))
+    main(["--out", str(tmp_path / "rel"), "--dry-run", "--autocast", "none"])  # asked for explicitly: that one
+    assert "--autocast none" in next(line for line in capsys.readouterr().out.splitlines()
+                                     if line.startswith("[dense]"))
 
 
 @pytest.mark.slow

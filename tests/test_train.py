@@ -382,3 +382,21 @@ def test_autocast_run_resumes_exactly_and_keeps_its_own_cache(setup, tmp_path):
         main(_argv(setup, tmp_path / "whole", cache_dir=cache))
     with pytest.raises(SystemExit):
         main(_argv(setup, tmp_path / "bad", autocast="float16"))
+
+
+def test_autocast_auto_resolves_by_the_device_and_bfloat16_without_native_support_is_warned(monkeypatch, caplog):
+    from prism import train as train_module
+
+    for native, expected in ((True, "bfloat16"), (False, "none")):
+        monkeypatch.setattr(train_module, "native_bfloat16", lambda device="cpu", n=native: n)
+        assert TrainArgs(corpus="c", out="o", autocast="auto").autocast == expected
+    with caplog.at_level("WARNING", logger="prism.train"):
+        assert TrainArgs(corpus="c", out="o", autocast="bfloat16").autocast == "bfloat16"  # kept, but said
+    assert "no native bfloat16" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(train_module, "native_bfloat16", lambda device="cpu": True)
+    with caplog.at_level("WARNING", logger="prism.train"):
+        TrainArgs(corpus="c", out="o", autocast="bfloat16")
+    assert not caplog.text
+    with pytest.raises(ValueError, match="or auto"):
+        TrainArgs(corpus="c", out="o", autocast="float16")
