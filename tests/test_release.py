@@ -23,7 +23,8 @@ def _argv(tmp_path: Path, backbone: str, corpus: str, *extra: str) -> list[str]:
 def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "rel"), "--dry-run"]) == {}
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split("]")[0][1:] for line in lines] == ["corpus", "corpus", *STAGES[1:]]
+    assert [line.split("]")[0][1:] for line in lines] == ["corpus", "corpus", *STAGES[1:6], *["controllers"] * 3,
+                                                           "ship"]
     prism = next(line for line in lines if line.startswith("[prism]"))
     dense = next(line for line in lines if line.startswith("[dense]"))
     # the baseline is the PRISM run's command with --dense-baseline and its own folder: same data, steps, precision
@@ -31,7 +32,14 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
         prism.replace("[prism]", "")
     assert f"--autocast {resolve_autocast('auto')}" in prism and "--lambda-r1 1.0 --lambda-r2 1.0" in prism
     assert "--steps 1001" in prism  # 2.05M tokens / (8 x 256)
+    # the shipped controller is fitted again for the new bank and shipped from where the fit writes it
+    fit = next(line for line in lines if line.startswith("[controllers]") and " fit " in line)
+    ship = next(line for line in lines if line.startswith("[ship]"))
+    assert f"--checkpoint {tmp_path}/rel/prism/final" in fit and "--seeds 0" in fit
+    assert f"--controller next_sentence={tmp_path}/rel/controllers/next_sentence/prototype-seed0.safetensors" in ship
     assert not (tmp_path / "rel").exists()
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "rel"), "--dry-run", "--controller-seeds", "0,x"])
 
 
 @pytest.mark.parametrize("native", [True, False])

