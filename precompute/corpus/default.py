@@ -106,6 +106,31 @@ def package_file(source: str, relative: str) -> Path:
     return path
 
 
+def npm_packages_needed(db: str | Path) -> list:
+    """The pinned npm packages (npm.NpmPackage) whose text a pointer-only database reads back: the npm sources of
+    its documents that store no text (evidence and attribution documents). [] for a database over PyPI sources only
+    or one that stores its text. FileNotFoundError / ValueError for a missing or foreign file."""
+    import duckdb
+
+    path = Path(db)
+    if not path.is_file():
+        raise FileNotFoundError(f"no database at {path}")
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as err:
+        raise ValueError(f"{path} is not a DuckDB database: {err}") from None
+    try:
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "documents" not in tables:
+            raise ValueError(f"{path} has no documents table: not a precompute database")
+        union = " UNION ".join(f"SELECT DISTINCT split_part(doc_id, '/', 1) FROM {t} WHERE text IS NULL"
+                               for t in ("documents", "attribution_documents") if t in tables)
+        sources = {r[0] for r in con.execute(union).fetchall()}
+    finally:
+        con.close()
+    return [SOTU for name in DEFAULT_SOURCES if name in sources and DEFAULT_SOURCES[name].registry == "npm"]
+
+
 def _installed_version(distribution: str) -> str | None:
     if distribution == SOTU.name:
         try:
