@@ -100,12 +100,12 @@ def parse_controllers(specs: list[str]) -> dict[str, Path]:
     return out
 
 
-def _check_controllers(model: Path, given: dict[str, Path], out: Path) -> tuple[dict[str, Path], list[str]]:
+def _stale_controllers(model: Path, given: dict[str, Path], out: Path) -> list[str]:
     """Load the model once if there are controllers to look at; raise if a given one belongs to another model;
-    return the given ones and the names of those already in OUT/controllers that do not belong to it."""
+    return the names of those already in OUT/controllers (and not given again) that do not belong to it."""
     existing = sorted((out / CONTROLLERS_DIR).glob("*.safetensors")) if (out / CONTROLLERS_DIR).is_dir() else []
     if not given and not existing:
-        return given, []
+        return []
     from prism import PrismForCausalLM
     from prism.controllers import load_controller
 
@@ -121,7 +121,7 @@ def _check_controllers(model: Path, given: dict[str, Path], out: Path) -> tuple[
         except ValueError as err:
             logger.info("removing %s: %s", path, err)
             stale.append(path.stem)
-    return given, stale
+    return stale
 
 
 def ship(model: Path, db: Path, out: Path, overwrite: bool = False,
@@ -129,7 +129,8 @@ def ship(model: Path, db: Path, out: Path, overwrite: bool = False,
     evidence_args = _check(model, db)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} is not empty; use --overwrite to replace the shipped default")
-    controllers, stale = _check_controllers(model, dict(controllers or {}), out)  # before anything is written
+    controllers = dict(controllers or {})
+    stale = _stale_controllers(model, controllers, out)  # checked before anything is written
     if out.exists() and any(out.iterdir()):
         shutil.rmtree(out / MODEL_DIR, ignore_errors=True)
         (out / DB_NAME).unlink(missing_ok=True)
