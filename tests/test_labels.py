@@ -307,6 +307,42 @@ def test_offline_labels_are_valid_and_sensible(labelled_v1):
     assert rows[DEAD][3] is None  # no held-out evidence, no score
 
 
+def _slot(words, lead_word):
+    """A prototype on one function word whose next token is one of `words`: a slot (offline.SLOT_SHARE)."""
+    def make(rng):
+        lead = rng.choice([[" she", " went", " to"], [" they", " called"], [" he", " saw"], [" we", " asked", " about"],
+                           [" it", " was", " near"]])
+        return [" Later", ","] + lead + [lead_word, rng.choice(words), " again", "."], 2 + len(lead)
+    return make
+
+
+SLOTS = {  # id -> (generator, expected category)
+    20: (_slot([" patient", " hospital", " surgery", " fever", " diagnosis", " infection", " nurse", " symptoms",
+                " clinic", " doctor"], " the"), "medical/bio"),
+    21: (_slot([" 1843", " 1901", " 1776", " 1999", " 1850", " 1920", " 2004", " 1588"], " in"), "numbers/time"),
+    22: (_slot([" banana", " quickly", " river", " wrote", " green", " software", " sang", " cheap", " blorp",
+                " purple"], " the"), "grammatical scaffolding"),  # predicts content words of no one field
+}
+
+
+def test_function_word_prototypes_take_the_category_of_what_they_predict(tmp_path):
+    """A prototype on 'the' before medical words is medical/bio, on 'in' before years numbers/time (slots); 'the'
+    before words of no one field, and the rule-labelled prototypes of the main fixture, keep their categories."""
+    prototypes = {**PROTOTYPES, **{pid: make for pid, (make, _) in SLOTS.items()}}
+    path = build_evidence_db(tmp_path / "db.duckdb", prototypes=prototypes)
+    con = connect(path)
+    labels_job.run(con, OfflineLabeler(), batch_size=8)
+    rows = {r[0]: r for r in con.execute("SELECT prototype_id, category, label, explanation FROM labels").fetchall()}
+    con.close()
+    for pid, (_, category) in SLOTS.items():
+        assert rows[pid][1] == category, rows[pid]
+    for pid, category in EXPECTED.items():
+        assert rows[pid][1] == category, (pid, rows[pid])
+    assert rows[20][2].endswith("after 'the'") and "slot: predicts content words 100%" in rows[20][3]
+    assert rows[21][2].endswith("after 'in'") and any(ch.isdigit() for ch in rows[21][2])
+    assert "slot" not in rows[22][3] and "determiner 'the'" in rows[22][2]
+
+
 def test_v2_labels_are_valid_distinct_and_keep_v1_categories(labelled, labelled_v1):
     v1 = {r[0]: r for r in labelled_v1["rows"]}
     for pid, category, label, score, labeler, explanation, _ in labelled["rows"]:

@@ -98,6 +98,15 @@ NEXT_WEIGHT = 0.3  # weight of the next-token distribution relative to the evide
 LOGIT_WEIGHT = 0.3  # weight of the logit signature (top promoted tokens)
 SCAFFOLDING_DISCOUNT = 0.5  # function words and punctuation follow almost any token: weak evidence when they do
 N_LOGIT_TOKENS = 10
+SCAFFOLDING = "grammatical scaffolding"
+# A prototype on function words whose prediction (next tokens and logit signature, averaged) is at least this share of
+# one non-scaffolding kind is a slot: 'the' before place names, 'in' before years. Its category is what it predicts
+# when that is clear (a rule category with this share, or a semantic field that passes SEMANTIC_MIN with at least
+# SLOT_AGREEMENT of the predicted words agreeing: overriding a rule majority needs more than SEMANTIC_AGREEMENT);
+# otherwise it stays grammatical scaffolding.
+SLOT_SHARE = 0.6
+SLOT_AGREEMENT = 0.7
+SLOT_RULE_CATEGORIES = ("numbers/time", "finance", "urls", "boilerplate")  # token-rule fields a slot can predict
 
 
 def _shares(kinds: list[TokenKind], weights: list[float]) -> Counter:
@@ -116,13 +125,16 @@ class OfflineLabeler:
        else is a content word. Next tokens (weight NEXT_WEIGHT) and the logit signature (LOGIT_WEIGHT) are
        classified the same way and added, weighted, to the evidence's shares (function words and punctuation at
        half weight there: they follow, and are promoted after, almost any token).
-    2. A rule category with a majority of the weight is the category. Otherwise, when content words weigh at
+    2. A rule category with a majority of the weight is the category, except that a function-word prototype whose
+       prediction is one field is a slot (_slot: 'the' before place names is place names, 'in' before years is
+       numbers/time; SLOT_SHARE and SLOT_AGREEMENT say when). Otherwise, when content words weigh at
        least as much as the largest rule category, the evidence contexts and the list of evidence tokens are
        embedded and compared with written descriptions of each semantic category (CATEGORY_DESCRIPTIONS), minus
        each description's mean similarity to background contexts (`prepare`), so that a description close to
        everything does not win everywhere. A weak best match, or rule kinds without a majority, give 'misc'.
     3. The label is the dominant role's phrase plus the dominant tokens ("year numbers (1843, 1850)",
-       "suffix -tion", "preposition 'of' after 'out'"), the explanation gives the shares behind it.
+       "suffix -tion", "preposition 'of' after 'out'"; a slot: "place names (Egypt, Israel) after 'of'"), the
+       explanation gives the shares behind it.
     """
 
     name = "offline-v1"
@@ -172,8 +184,13 @@ class OfflineLabeler:
         content_share = combined[None]
 
         semantic_note, role = "", None
+        slot_words: list[str] = []
         if rule is not None and rule_share >= RULE_MAJORITY:
             category = rule
+            if rule == SCAFFOLDING:
+                slot = self._slot(card, next_kinds, logit, logit_kinds)
+                if slot is not None:
+                    category, role, semantic_note, slot_words = slot
         elif content_share > 0 and content_share >= rule_share:
             category, role, score, agreement = self._semantic(card, ev_kinds)
             semantic_note = f"; closest description: {role} ({score:+.3f}, {agreement:.0%} of the words agree)"
@@ -182,7 +199,12 @@ class OfflineLabeler:
         else:  # no majority and mostly rule tokens of several kinds: a mixed prototype
             category = "misc"
 
-        label = self._phrase(card, ev_kinds, next_kinds, category, role)
+        if slot_words:  # what it predicts, and the function word it sits on
+            top = Counter(k.core.lower() for k in ev_kinds).most_common(1)[0][0]
+            where = quote(top) if top else "a line break" if any("\n" in e.token for e in card.evidence) else "a space"
+            label = f"{role or category} ({', '.join(slot_words[:3])}) after {where}"[:MAX_LABEL_CHARS]
+        else:
+            label = self._phrase(card, ev_kinds, next_kinds, category, role)
         parts = [f"{c or 'content words'} {s:.0%}" for c, s in combined.most_common(3)]
         top = ", ".join(f"{quote(t)}×{n}" for t, n in card.activating_tokens[:4])
         explanation = f"token shares: {', '.join(parts)}{semantic_note}; top evidence tokens {top}"
@@ -191,6 +213,54 @@ class OfflineLabeler:
         if logit:
             explanation += "; promotes " + ", ".join(quote(t) for t, _ in logit[:3])
         return LabelResult(category, label, explanation)
+
+    def _slot(self, card: PrototypeCard, next_kinds: list[TokenKind], logit: list[tuple[str, float]],
+              logit_kinds: list[TokenKind]) -> tuple[str, str | None, str, list[str]] | None:
+        """(category, role or None, explanation note, predicted words) for a function-word prototype whose
+        prediction is one field, else None (it stays grammatical scaffolding). SLOT_SHARE has the rule.
+
+        The final state at a token is mostly about the token that follows, and its slice W p_i is a push on those
+        next tokens, so 'the' before place names is about places in what it does, not about the determiner.
+        """
+        shares: list[Counter] = []
+        if next_kinds:
+            shares.append(_shares(next_kinds, [float(n) for _, n in card.next_tokens]))
+        if logit_kinds:
+            shares.append(_shares(logit_kinds, [1.0] * len(logit_kinds)))
+        if not shares:
+            return None
+        predicted: Counter = Counter()
+        for share in shares:
+            for c, v in share.items():
+                predicted[c] += v / len(shares)
+        pairs = list(zip([t for t, _ in card.next_tokens] + [t for t, _ in logit], next_kinds + logit_kinds,
+                         strict=True))
+        for c in SLOT_RULE_CATEGORIES:
+            if predicted[c] >= SLOT_SHARE:
+                words = list(dict.fromkeys(k.example for _, k in pairs if k.category == c))
+                kind = Counter(k.kind for _, k in pairs if k.category == c).most_common(1)[0][0]
+                return c, KIND_PHRASES[kind][0], f"; slot: predicts {c} {predicted[c]:.0%}", words
+        if predicted[None] < SLOT_SHARE:
+            return None
+        words = list(dict.fromkeys(k.word or k.core for _, k in pairs if k.category is None and (k.word or k.core)))
+        # each evidence context with its own next token, where that is a content word, as one scored item
+        items = []
+        for e in card.evidence:
+            j = e.token_index + 1
+            if j < len(e.context_tokens):
+                k = token_kind(e.context_tokens[j], e.context_tokens, j)
+                if k.category is None and (k.word or k.core):
+                    items.append((e.window(), k.word or k.core))
+        items = items or [(w, w) for w in words]
+        if not items or not words:
+            return None
+        category, role, score, agreement = self._score_semantic(
+            [w for w, _ in items], [w for _, w in items], [False] * len(items), words)
+        if score < SEMANTIC_MIN or agreement < SLOT_AGREEMENT:
+            return None
+        note = (f"; slot: predicts content words {predicted[None]:.0%}, closest description {role} ({score:+.3f}, "
+                f"{agreement:.0%} of the predicted words agree)")
+        return category, role, note, words
 
     def _semantic(self, card: PrototypeCard, kinds: list[TokenKind]) -> tuple[str, str, float, float]:
         """(category, role, calibrated score, agreement) of the best semantic role for the evidence's content words.
@@ -202,13 +272,19 @@ class OfflineLabeler:
         pairs = [(e, k) for e, k in zip(card.evidence, kinds, strict=True) if k.category is None]
         pairs = pairs or list(zip(card.evidence, kinds, strict=True))
         words = [k.word or k.core for _, k in pairs]
-        n = len(pairs)
-        vectors = embed([e.window() for e, _ in pairs] + words + [", ".join(dict.fromkeys(words[:12]))])  # (2n+1, D)
+        return self._score_semantic([e.window() for e, _ in pairs], words,
+                                    [k.kind == "proper noun" for _, k in pairs], words)
+
+    def _score_semantic(self, windows: list[str], words: list[str], proper: list[bool],
+                        listed: list[str]) -> tuple[str, str, float, float]:
+        """_semantic's scoring: item i is windows[i] and words[i] (proper[i]: a capitalised word mid-sentence),
+        plus one embedding of the first 12 distinct `listed` words."""
+        n = len(windows)
+        vectors = embed(windows + words + [", ".join(dict.fromkeys(listed[:12]))])  # (2n+1, D)
         sims = vectors @ self._description_vectors().T - self._bias  # (2n + 1, R)
         items = 0.5 * sims[:n] + 0.5 * sims[n:2 * n]  # (n, R)
         names = np.array([c == "named entities" for c, _ in self._roles])  # (R,)
-        proper = np.array([k.kind == "proper noun" for _, k in pairs])  # (n,)
-        items = items + 0.05 * np.outer(proper, names)  # capitalised mid-sentence: a name more often than not
+        items = items + 0.05 * np.outer(np.array(proper, dtype=bool), names)  # a capitalised word: often a name
         scores = 0.5 * items.mean(axis=0) + 0.5 * sims[-1]  # (R,)
         best = int(np.argmax(scores))
         category, role = self._roles[best]
