@@ -218,3 +218,46 @@ def test_label_goals_bench_measures_the_database(db, capsys):
     assert len(result["drawn"]) == 2 and all(len(d["evidence"]) == 3 and d["evidence"][0]["token"]
                                              for d in result["drawn"])
     assert '"goals_met"' in capsys.readouterr().out
+
+
+def test_label_ceiling_bench_bounds_the_stored_labels(db, capsys):
+    """bench.label_ceiling: the best candidate's held-out scores, recomputed here with sklearn from the rebuilt
+    contexts, bound every choice among the candidates, the stored labels included."""
+    from bench.label_ceiling import main
+
+    path, rows = db
+    result = main(["--db", str(path), "--weights", "0.8,1.0"])
+    assert result["prototypes"] == len(PROTOTYPES) and result["candidates"] >= len(PROTOTYPES)
+    stored = [rows[pid][3] for pid in PROTOTYPES]
+    assert result["stored"]["label_score"] == pytest.approx(sum(stored) / len(stored), abs=1e-4)
+    for score in ("label_score", "sibling_score"):
+        assert result["ceiling"][score] >= result["stored"][score] - 1e-6
+        assert all(result["ceiling"][score] >= pick[score] - 1e-6 for pick in result["by_weight"].values())
+    # the sibling ceiling from scratch: every candidate of each ' the' prototype against its siblings' held-out text
+    con = connect(path, read_only=True)
+    try:
+        pool = labels_job.negative_pool(con, labels_job.N_NEGATIVES, 0)
+        ctx = contrast.build_context(con, pool, 0)
+        best = []
+        for pid in THE:
+            texts, _, _ = contrast.candidate_set(ctx, ctx.cards[pid])
+            windows = _held_out_windows(con, pid)
+            others = [w for s in THE if s != pid for w in _held_out_windows(con, s)]
+            sims = embed(windows + others) @ embed(texts).T  # (P + N, C)
+            truth = [1] * len(windows) + [0] * len(others)
+            best.append(max(roc_auc_score(truth, sims[:, c]) for c in range(len(texts))))
+    finally:
+        con.close()
+    assert result["ceiling"]["sibling_score"] == pytest.approx(sum(best) / len(best), abs=1e-4)
+    assert '"ceiling"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--weights", "0.8,x"], "comma-separated numbers"),
+                                           (["--weights", "1.5"], "comma-separated numbers"),
+                                           ([], "no such database")])
+def test_label_ceiling_bench_rejects_bad_input(tmp_path, capsys, argv, message):
+    from bench.label_ceiling import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--db", str(tmp_path / "missing.duckdb"), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

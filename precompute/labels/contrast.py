@@ -463,20 +463,9 @@ class ContrastiveLabeler:
     def _options(self, ctx: ContrastContext, card: PrototypeCard) -> list[tuple[float, str, str]]:
         """[(train objective, label, explanation)] best first, for a card with its full evidence in ctx."""
         pid = card.prototype_id
-        visible = replace_evidence(card, card.evidence[0::2])
-        background = _background(ctx, pid)
-        ref = ctx.sibling_profile(pid) if ctx.sibling_ids(pid) else background
-        mods = modifiers(ctx.profiles[pid], ref, visible, background if ctx.sibling_ids(pid) else None)
-        texts = candidates(heads(visible), mods)
-        vectors = embed(texts, progress=False)  # (C, D)
-        pos = ctx.vectors[ctx.rows(pid, held_out=False)]  # (v, D)
-        rand = ctx.vectors[ctx.select_rows[ctx.select_ids != pid]]  # (S', D)
-        sib_rows = [r for s in ctx.sibling_ids(pid) for r in ctx.rows(s, held_out=False)]
-        sib = ctx.vectors[sib_rows]  # (s, D)
+        texts, vectors, mods = candidate_set(ctx, card)
         out = []
-        for i, (text, v) in enumerate(zip(texts, vectors, strict=True)):
-            a_rand = auroc(pos @ v, rand @ v) if len(pos) and len(rand) else 0.5
-            a_sib = auroc(pos @ v, sib @ v) if len(pos) and len(sib) else a_rand
+        for i, (text, (a_rand, a_sib)) in enumerate(zip(texts, visible_scores(ctx, pid, vectors), strict=True)):
             objective = RANDOM_WEIGHT * a_rand + (1 - RANDOM_WEIGHT) * a_sib - 1e-6 * i  # earlier ones win ties
             siblings = ", ".join(f"#{s}" for s in ctx.sibling_ids(pid)[:6])
             explanation = (f"visible-evidence AUROC {a_rand:.2f} vs other prototypes, {a_sib:.2f} vs siblings"
@@ -496,6 +485,31 @@ class ContrastiveLabeler:
         else:  # no job context (a lone card): v1's label without its catch-all wording
             label, explanation = base.label.replace("mixed tokens", "tokens"), base.explanation
         return LabelResult(base.category, label, f"{explanation}; category: {base.explanation}"[:600])
+
+
+def candidate_set(ctx: ContrastContext, card: PrototypeCard) -> tuple[list[str], np.ndarray, dict[str, str]]:
+    """A card's candidate labels, built from its visible evidence only: (texts, their embeddings (C, D), the
+    modifiers they were built from)."""
+    pid = card.prototype_id
+    visible = replace_evidence(card, card.evidence[0::2])
+    background = _background(ctx, pid)
+    ref = ctx.sibling_profile(pid) if ctx.sibling_ids(pid) else background
+    mods = modifiers(ctx.profiles[pid], ref, visible, background if ctx.sibling_ids(pid) else None)
+    texts = candidates(heads(visible), mods)
+    return texts, embed(texts, progress=False), mods
+
+
+def visible_scores(ctx: ContrastContext, pid: int, vectors: np.ndarray) -> list[tuple[float, float]]:
+    """(AUROC vs the selection sample, AUROC vs the siblings) of each label vector (C, D) on the prototype's visible
+    contexts: what the labeler chooses by (the sibling one falls back to the first without siblings)."""
+    pos = ctx.vectors[ctx.rows(pid, held_out=False)]  # (v, D)
+    rand = ctx.vectors[ctx.select_rows[ctx.select_ids != pid]]  # (S', D)
+    sib = ctx.vectors[[r for s in ctx.sibling_ids(pid) for r in ctx.rows(s, held_out=False)]]  # (s, D)
+    out = []
+    for v in vectors:
+        a_rand = auroc(pos @ v, rand @ v) if len(pos) and len(rand) else 0.5
+        out.append((a_rand, auroc(pos @ v, sib @ v) if len(pos) and len(sib) else a_rand))
+    return out
 
 
 def replace_evidence(card: PrototypeCard, evidence: list[EvidenceContext]) -> PrototypeCard:
