@@ -21,7 +21,6 @@ It embeds every evidence context and every candidate once: minutes on a full dat
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import duckdb
@@ -39,13 +38,10 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def measure(con: duckdb.DuckDBPyConnection, weights: tuple[float, ...] = DEFAULT_WEIGHTS) -> dict:
-    from precompute.labels import N_NEGATIVES, contrast, negative_pool
+    from bench.label_goals import job_context
+    from precompute.labels import contrast
 
-    row = con.execute("SELECT args_json FROM runs WHERE job = 'labels'").fetchone()
-    job = json.loads(row[0]) if row else {}
-    seed = job.get("seed", 0)
-    pool = negative_pool(con, job.get("n_negatives", N_NEGATIVES), seed)
-    ctx = contrast.build_context(con, pool, seed)
+    pool, ctx = job_context(con)
     stored = dict(con.execute("SELECT l.prototype_id, l.label FROM labels l JOIN prototype_stats s "
                               "USING (prototype_id) WHERE s.activation_count > 0").fetchall())
     live = [pid for pid in sorted(stored) if pid in ctx.cards and ctx.cards[pid].evidence]

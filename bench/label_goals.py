@@ -57,15 +57,23 @@ def measure(con: duckdb.DuckDBPyConnection) -> dict:
     return out
 
 
-def rescore(con: duckdb.DuckDBPyConnection) -> dict:
-    """Both held-out scores of the stored labels of the live prototypes, computed as the labels job does now (its
-    stored seed and negatives): {mean_label_score, mean_sibling_score, with_sibling_score}."""
+def job_context(con: duckdb.DuckDBPyConnection):
+    """(negative pool, contrast context) as the labels job that wrote the database built them (its stored seed and
+    number of negatives): every evidence context embedded, so minutes on a full database."""
     from precompute.labels import N_NEGATIVES, contrast, negative_pool
 
     row = con.execute("SELECT args_json FROM runs WHERE job = 'labels'").fetchone()
     job = json.loads(row[0]) if row else {}
     pool = negative_pool(con, job.get("n_negatives", N_NEGATIVES), job.get("seed", 0))
-    ctx = contrast.build_context(con, pool, job.get("seed", 0))
+    return pool, contrast.build_context(con, pool, job.get("seed", 0))
+
+
+def rescore(con: duckdb.DuckDBPyConnection) -> dict:
+    """Both held-out scores of the stored labels of the live prototypes, computed as the labels job does now (its
+    stored seed and negatives): {mean_label_score, mean_sibling_score, with_sibling_score}."""
+    from precompute.labels import contrast
+
+    pool, ctx = job_context(con)
     items = con.execute("SELECT l.prototype_id, l.label FROM labels l JOIN prototype_stats s USING (prototype_id) "
                         "WHERE s.activation_count > 0 ORDER BY l.prototype_id").fetchall()
     scores = contrast.score_labels(ctx, pool, items)
