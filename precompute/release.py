@@ -77,7 +77,9 @@ def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     corpus.append(py + ["precompute.corpus", "export", args.corpus, str(out / "corpus.jsonl")])
     return {
         "corpus": corpus,
-        "prism": [py + ["prism.train", *train_argv(args, out), "--out", str(out / "prism")]],
+        "prism": [py + ["prism.train", *train_argv(args, out), *(["--init-balance", str(args.init_balance)]
+                                                                  if args.init_balance else []),
+                        "--out", str(out / "prism")]],  # the baseline has no bank to initialise
         "dense": [py + ["prism.train", *train_argv(args, out), "--dense-baseline", "--out", str(out / "dense")]],
         "eval": [py + ["prism.eval", "--checkpoint", str(prism), "--dense", str(dense), "--max-val-tokens",
                        str(args.val_tokens), "--out", str(out / "eval.json")]],
@@ -218,6 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
     model.add_argument("--seq-len", type=int, default=256)
     model.add_argument("--batch-size", type=int, default=8)
     model.add_argument("--dead-every", type=int, default=100)
+    model.add_argument("--init-balance", type=float, default=0.0,
+                       help="prism.train --init-balance for the PRISM run: draw the bank's initial states with "
+                            "probability (token count)^-A (default 0: uniform)")
     model.add_argument("--autocast", default="auto", choices=("auto", "none", "bfloat16"),
                        help="mixed precision of both training runs; auto: bfloat16 where the CPU or GPU runs it "
                             "natively (AVX-512/AMX, CUDA), float32 elsewhere (an AVX2-only CPU emulates bfloat16 "
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
         cli.fail(parser, "--tokens must cover at least one batch and --max-source-share must be in (0, 1]")
     if not all(v.strip().isdigit() for v in args.controller_seeds.split(",")):
         cli.fail(parser, f"--controller-seeds must be comma-separated whole numbers, got {args.controller_seeds!r}")
+    if not 0 <= args.init_balance <= 4:
+        cli.fail(parser, f"--init-balance must be in [0, 4] (prism.train's range), got {args.init_balance}")
     out = Path(args.out)
     args.autocast = _resolve_autocast(args, out)
     cmds = commands(args)

@@ -17,7 +17,7 @@ same arguments continues exactly where it stopped (same step, same data order, s
 arguments are refused unless --overwrite. --exit-after N stops this process after N steps so a long run can be
 spread over time-limited sessions. Dropout is off (backbones run in eval mode), so steps are deterministic.
 
-Length: about 720 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
+Length: about 790 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
 happens: arguments, distributed set-up, data and the hidden-state cache, the trained module and prototype health,
 checkpoints, the loop, the command line. Every part works on the same TrainArgs and run folder, and the resume
 guarantee (same step, data order and optimizer state) is easiest to check with all of it in view.
@@ -128,6 +128,8 @@ class TrainArgs:
     seed: int = 0
     # -- prototype health
     init_tokens: int = 16384  # token states sampled to initialise the bank
+    init_balance: float = 0.0  # exponent a: the bank's initial states are drawn with probability proportional to
+    # (training count of the state's token)^-a; 0 draws uniformly, larger spreads the bank over more token types
     dead_every: int = 200  # every N steps, prototypes unused since the last check are re-seeded (0: never)
     # -- bookkeeping
     out: str = ""
@@ -159,6 +161,8 @@ class TrainArgs:
         PrismConfig(n_prototypes=self.n_prototypes, top_k=self.top_k)  # validates k <= K early
         if self.max_source_share is not None and not 0 < self.max_source_share <= 1:
             raise ValueError(f"max_source_share must be in (0, 1], got {self.max_source_share}")
+        if not 0 <= self.init_balance <= 4:
+            raise ValueError(f"init_balance must be in [0, 4], got {self.init_balance}")
         if self.cache_layer is not None and self.mode != "top":
             raise ValueError("--cache-layer applies to --mode top only")
 
@@ -360,22 +364,44 @@ def _set_trainable(model: PrismForCausalLM, args: TrainArgs) -> None:
 
 
 @torch.no_grad()
-def init_prototypes(model: PrismForCausalLM, z: torch.Tensor, seed: int) -> None:
+def init_prototypes(model: PrismForCausalLM, z: torch.Tensor, seed: int, weights: torch.Tensor | None = None) -> None:
     """Seed the bank with K distinct real token states z (N, d), then scale all by the one factor that minimises
-    the reconstruction error of those states (so L_REC starts sensible whatever k is)."""
+    the reconstruction error of those states (so L_REC starts sensible whatever k is).
+
+    weights (N,), optional: draw the states with these relative probabilities (without replacement) instead of
+    uniformly; a repeated state keeps the weight of its first occurrence."""
     k_total = model.config.n_prototypes
-    z = torch.unique(z, dim=0)
-    if len(z) < k_total:
-        raise ValueError(f"only {len(z)} distinct token states to initialise {k_total} prototypes: "
-                         "use more --init-tokens or a larger corpus")
     g = torch.Generator().manual_seed(seed)
-    chosen = z[torch.randperm(len(z), generator=g)[:k_total]]  # (K, d)
+    if weights is None:
+        z = torch.unique(z, dim=0)
+        if len(z) < k_total:
+            raise ValueError(f"only {len(z)} distinct token states to initialise {k_total} prototypes: "
+                             "use more --init-tokens or a larger corpus")
+        chosen = z[torch.randperm(len(z), generator=g)[:k_total]]  # (K, d)
+    else:
+        if weights.shape != z.shape[:1] or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+            raise ValueError(f"weights must be {tuple(z.shape[:1])} finite and >= 0, got {tuple(weights.shape)}")
+        _, inverse = torch.unique(z, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), len(z), dtype=torch.long).scatter_reduce(
+            0, inverse, torch.arange(len(z)), reduce="amin")  # (U,) index of each distinct state's first occurrence
+        keep = first[weights[first] > 0]
+        if len(keep) < k_total:
+            raise ValueError(f"only {len(keep)} distinct token states with weight > 0 to initialise {k_total} "
+                             "prototypes: use more --init-tokens or a larger corpus")
+        pick = torch.multinomial(weights[keep].double(), k_total, replacement=False, generator=g)
+        chosen = z[keep[pick]]  # (K, d)
     model.prototypes.weight.copy_(chosen)
     sims = model.prototypes.similarities(z)
     ids, acts = model.prototypes.activate(sims, model.config.top_k)
     z_hat = model.prototypes.reconstruct(ids, acts)  # (N, d)
     scale = (z * z_hat).sum() / z_hat.pow(2).sum().clamp_min(1e-12)
     model.prototypes.weight.mul_(scale)
+
+
+def balance_weights(token_ids: np.ndarray, counts: np.ndarray, exponent: float) -> torch.Tensor:
+    """(N,) draw weights for the states at token_ids (N,): count^-exponent, counts (V,) the training counts of
+    every token id (a token absent from them counts once)."""
+    return torch.from_numpy(np.maximum(counts[token_ids], 1).astype(np.float64) ** -exponent)
 
 
 @torch.no_grad()
@@ -524,8 +550,12 @@ def train(args: TrainArgs) -> Path:
     else:
         step = 0
         if not args.dense_baseline:
-            z = _sample_states(model, module, blocks, cache, args)
-            init_prototypes(model, z, args.seed)
+            z, token_ids = _sample_states(model, module, blocks, cache, args)
+            weights = None
+            if args.init_balance:
+                counts = np.bincount(np.asarray(blocks).reshape(-1).astype(np.int64))  # (V,)
+                weights = balance_weights(token_ids, counts, args.init_balance)
+            init_prototypes(model, z, args.seed, weights)
 
     device_ids = [torch.cuda.current_device()] if world > 1 and torch.device(args.device).type == "cuda" else None
     ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids) if world > 1 else module
@@ -636,8 +666,8 @@ def _build_state_cache(model, args, blocks, rank, world) -> StateCache | None:
 
 
 @torch.no_grad()
-def _sample_states(model, module, blocks, cache, args) -> torch.Tensor:
-    """Token states z from the first training blocks (seeded choice), for initialising the bank."""
+def _sample_states(model, module, blocks, cache, args) -> tuple[torch.Tensor, np.ndarray]:
+    """Token states z (N, d) from seeded training blocks, for initialising the bank, and their token ids (N,)."""
     n_blocks = min(len(blocks), max(1, math.ceil(args.init_tokens / args.seq_len)))
     idx = np.random.default_rng([args.seed, 1]).permutation(len(blocks))[:n_blocks]
     states = []
@@ -650,7 +680,8 @@ def _sample_states(model, module, blocks, cache, args) -> torch.Tensor:
         else:
             z, _ = model.final_states(ids, start_layer=module.start_layer, start_states=cached)
         states.append(z.reshape(-1, z.shape[-1]).cpu())
-    return torch.cat(states)[: args.init_tokens]
+    token_ids = np.asarray(blocks[idx]).reshape(-1).astype(np.int64)[: args.init_tokens]
+    return torch.cat(states)[: args.init_tokens], token_ids
 
 
 def _check_run_folder(out: Path, args: TrainArgs, rank: int) -> None:
@@ -687,7 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
         "what trains": ["mode", "n_layers", "cache_layer"],
         "data": ["corpus", "seq_len", "val_fraction", "max_tokens", "max_source_share"],
         "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
-        "prototype health": ["init_tokens", "dead_every"],
+        "prototype health": ["init_tokens", "init_balance", "dead_every"],
         "bookkeeping": ["out", "cache_dir", "cache_dtype", "autocast", "checkpoint_every", "log_every", "exit_after",
                         "overwrite", "device"],
     }
@@ -705,6 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "dropped (seeded by --seed); the mix before and after is saved in OUT/corpus_mix.json "
                             "and the model's metadata (default: no cap)",
         "dead_every": "re-seed prototypes unused in the last N steps (0: never)",
+        "init_balance": "exponent a in [0, 4]: draw the bank's initial token states with probability proportional "
+                        "to (the token's training count)^-a, so fewer start on function words; 0: uniform (default)",
         "out": "run folder: arguments, log, checkpoint, final model (required)",
         "cache_dir": "where token and hidden-state caches go (default OUT/cache); share it between runs",
         "exit_after": "stop this process after N steps (resume later with the same command)",

@@ -40,6 +40,16 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
     assert not (tmp_path / "rel").exists()
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "rel"), "--dry-run", "--controller-seeds", "0,x"])
+    # --init-balance reaches the PRISM run only (the baseline has no bank); otherwise the two stay identical
+    main(["--out", str(tmp_path / "rel"), "--dry-run", "--init-balance", "0.25"])
+    lines = capsys.readouterr().out.splitlines()
+    prism = next(line for line in lines if line.startswith("[prism]"))
+    dense = next(line for line in lines if line.startswith("[dense]"))
+    assert "--init-balance 0.25" in prism and "--init-balance" not in dense
+    assert dense.replace("[dense]", "").replace(" --dense-baseline", "").replace("/dense", "/prism") == \
+        prism.replace("[prism]", "").replace(" --init-balance 0.25", "")
+    with pytest.raises(SystemExit):  # refused before any stage, as prism.train would refuse it
+        main(["--out", str(tmp_path / "rel"), "--dry-run", "--init-balance", "-1"])
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -16,7 +16,16 @@ from safetensors.torch import load_file
 
 from prism import PrismConfig, PrismForCausalLM
 from prism.backbones import load_backbone, load_tokenizer
-from prism.train import TrainArgs, batch_indices, build_parser, init_prototypes, main, reseed_dead, train
+from prism.train import (
+    TrainArgs,
+    balance_weights,
+    batch_indices,
+    build_parser,
+    init_prototypes,
+    main,
+    reseed_dead,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,6 +166,98 @@ def test_init_places_prototypes_on_real_states_at_the_best_scale():
     assert rec(1.0) <= min(rec(0.9), rec(1.1))  # the chosen global scale is the least-squares one
 
 
+def test_weighted_init_draws_only_weighted_distinct_states_and_refuses_bad_weights():
+    from helpers import tiny_prism
+
+    model = tiny_prism("llama", n_prototypes=16, top_k=4)
+    z = torch.randn(60, 32)
+    z = torch.cat([z, z[:10]])  # 10 states repeated at the end: a repeat keeps its first occurrence's weight
+    weights = torch.zeros(70, dtype=torch.float64)
+    weights[20:40] = 1.0  # 20 eligible states for 16 prototypes
+    weights[60:] = 5.0  # the repeats' weights are ignored (their first occurrences weigh 0)
+    init_prototypes(model, z, seed=3, weights=weights)
+    P = torch.nn.functional.normalize(model.prototypes.weight.detach(), dim=-1)
+    cos = P @ torch.nn.functional.normalize(z[:60], dim=-1).T  # (16, 60)
+    assert torch.allclose(cos.max(-1).values, torch.ones(16), atol=1e-5)
+    picked = cos.argmax(-1).tolist()
+    assert len(set(picked)) == 16 and all(20 <= i < 40 for i in picked)  # distinct, and only from weight > 0
+
+    before = model.prototypes.weight.detach().clone()
+    weights[20:40] = 0.0
+    weights[20:30] = 1.0  # only 10 eligible
+    with pytest.raises(ValueError, match="weight > 0"):
+        init_prototypes(model, z, seed=3, weights=weights)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        init_prototypes(model, z, seed=3, weights=-torch.ones(70))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        init_prototypes(model, z, seed=3, weights=torch.ones(69))
+    assert torch.equal(model.prototypes.weight.detach(), before)  # a refused init changes nothing
+
+
+def test_weighted_init_follows_the_weights():
+    """Drawn many times, a state twice as heavy is chosen about as often as the draw without replacement says
+    (checked against numpy's own weighted draw without replacement, an independent sampler)."""
+    from helpers import tiny_prism
+
+    model = tiny_prism("llama", n_prototypes=16, top_k=4)
+    z = torch.randn(40, 32)
+    weights = torch.ones(40, dtype=torch.float64)
+    weights[:8] = 6.0
+    unit = torch.nn.functional.normalize(z, dim=-1)
+    ours, theirs = np.zeros(40), np.zeros(40)
+    for seed in range(300):
+        init_prototypes(model, z, seed=seed, weights=weights)
+        P = torch.nn.functional.normalize(model.prototypes.weight.detach(), dim=-1)
+        ours[(P @ unit.T).argmax(-1).numpy()] += 1
+        p = (weights / weights.sum()).numpy()
+        theirs[np.random.default_rng(seed).choice(40, 16, replace=False, p=p)] += 1
+    assert abs(ours[:8].mean() - theirs[:8].mean()) < 0.05 * 300  # heavy states: nearly always picked
+    assert abs(ours[8:].mean() - theirs[8:].mean()) < 0.05 * 300
+    assert ours[:8].mean() > 2 * ours[8:].mean()
+
+
+def test_balance_weights_are_inverse_count_powers():
+    from collections import Counter
+
+    tokens = np.array([5, 5, 5, 5, 2, 2, 9, 5, 7])
+    counts = np.bincount(tokens)
+    w = balance_weights(tokens[[0, 4, 6]], counts, 0.5).numpy()
+    c = Counter(tokens.tolist())
+    assert np.allclose(w, [c[5] ** -0.5, c[2] ** -0.5, c[9] ** -0.5])
+    assert np.allclose(balance_weights(tokens, counts, 0.0).numpy(), 1.0)  # exponent 0: uniform
+
+
+def test_init_balance_trains_and_starts_on_rarer_tokens(setup, tmp_path, monkeypatch):
+    """--init-balance: the run records it, trains, and its bank starts on rarer tokens than the uniform draw's."""
+    import prism.train as train_module
+
+    original = train_module.init_prototypes
+
+    def spy(seen):
+        def init(model, z, seed, weights=None):
+            original(model, z, seed, weights)
+            seen.update(weights=weights, bank=model.prototypes.weight.detach().clone(), z=z)
+        return init
+
+    starts = {}
+    for a in (0.0, 2.0):
+        starts[a] = {}
+        monkeypatch.setattr(train_module, "init_prototypes", spy(starts[a]))
+        out = tmp_path / f"a{a}"
+        main(_argv(setup, out, init_balance=a, steps=2, n_prototypes=16, top_k=2, init_tokens=200))
+        assert json.loads((out / "train_args.json").read_text())["init_balance"] == a
+        assert (starts[a]["weights"] is None) == (a == 0.0)
+    # the drawn states' mean weight under the a=2 weights: higher for the balanced draw (rarer tokens)
+    w = starts[2.0]["weights"]
+    unit = torch.nn.functional.normalize(starts[2.0]["z"], dim=-1)
+
+    def mean_weight(bank):
+        return float(w[(torch.nn.functional.normalize(bank, dim=-1) @ unit.T).argmax(-1)].mean())
+    assert mean_weight(starts[2.0]["bank"]) > mean_weight(starts[0.0]["bank"])
+    with pytest.raises(SystemExit):
+        main(_argv(setup, tmp_path / "bad", init_balance=-1.0))
+
+
 def test_reseeding_moves_dead_prototypes_to_worst_reconstructed_tokens():
     from helpers import tiny_prism
 
@@ -226,8 +327,8 @@ def test_reseeding_leaves_fewer_dead_prototypes_than_none(setup, tmp_path, monke
     in use. (A re-seeded row's direction is its state's: test_reseeding_moves_dead_prototypes_to_...)"""
     import prism.train as train_module
 
-    def planted(model, z, seed):
-        init_prototypes(model, z, seed)
+    def planted(model, z, seed, weights=None):
+        init_prototypes(model, z, seed, weights)
         with torch.no_grad():
             model.prototypes.weight[48:] *= -1
 
