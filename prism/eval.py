@@ -9,6 +9,12 @@ prototype metrics of docs/DESIGN.md section 2 over the held-out tokens:
 - r2:            mean over tokens of max over prototypes of cos(z_t, p_i)  (tokens are covered)
 - mean_active:   mean number of prototypes with activation > 0 per token (at most top_k)
 - dead_fraction: fraction of prototypes never active on the held-out tokens
+and what the prototypes carry of each prediction (prism/explain.py), under "path": the prototype path W z_hat + b's
+top-1 agreement with the full model, its cross-entropy beside the full model's, KL(full || path), and the margin
+share of the top-1 over the top-2 token (median, and the fraction of positions where it is >= 0.5). The same path
+measures are given per source ("sources": each source's own held-out documents, up to --per-source-tokens tokens a
+source, so a source that comes late in the corpus is not left out) and on the modern-English probe (prism/probe.py,
+"probe": each passage its own sequence, per kind and overall; --no-probe skips it).
 The held-out split is the training run's (same corpus, val_fraction, max_tokens and seq_len, read from the
 run's train_args.json beside the checkpoint) unless given explicitly.
 """
@@ -27,8 +33,10 @@ from tqdm.auto import tqdm
 
 from prism import PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
-from prism.data import pack, tokenize_split
-from prism.losses import ce_loss
+from prism.data import is_validation, pack, read_documents, tokenize_split
+from prism.explain import PathStatistics, path_statistics, summarize_path
+from prism.losses import IGNORE_INDEX, ce_loss
+from prism.probe import PROBE
 from prism.train import TRAIN_ARGS
 
 logger = logging.getLogger("prism.eval")
@@ -47,14 +55,40 @@ def evaluate_lm(logits_fn, blocks: np.ndarray, batch_size: int, desc: str) -> di
     return {"ce": ce, "perplexity": math.exp(ce), "tokens": count}
 
 
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T): the token each position predicts, IGNORE_INDEX at the last position."""
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = ids[:, 1:]
+    return labels
+
+
+def _path(model: PrismForCausalLM, out, ids: torch.Tensor) -> PathStatistics:
+    return path_statistics(out.z, out.z_hat, model.lm_head.weight, model.lm_head.bias, next_token_labels(ids))
+
+
+@torch.no_grad()
+def evaluate_path(model: PrismForCausalLM, sequences: list[np.ndarray], batch_size: int, desc: str) -> dict:
+    """The path measures (prism.explain.summarize_path) over sequences of token ids: blocks of one length are
+    batched, sequences of other lengths run one at a time."""
+    stats = None
+    same = len({len(s) for s in sequences}) == 1
+    step = batch_size if same else 1
+    for lo in tqdm(range(0, len(sequences), step), desc=desc, unit="batch", leave=False):
+        ids = torch.from_numpy(np.stack(sequences[lo: lo + step]).astype(np.int64))  # (b, T)
+        part = _path(model, model(ids), ids)
+        stats = part if stats is None else stats.cat(part)
+    return summarize_path(stats)
+
+
 @torch.no_grad()
 def evaluate_prism(model: PrismForCausalLM, blocks: np.ndarray, batch_size: int) -> dict[str, float]:
-    """CE and perplexity plus the prototype metrics (module docstring) over blocks (N, T)."""
+    """CE and perplexity plus the prototype and path metrics (module docstring) over blocks (N, T)."""
     n_protos = model.config.n_prototypes
     best = torch.full((n_protos,), -1.0)  # max over tokens of cos(p_i, z_t)
     used = torch.zeros(n_protos, dtype=torch.bool)
     sums = dict(ce=0.0, r2=0.0, active=0.0, rec=0.0, resid_sq=0.0)
     z_sum, z_sq, n_tok, n_pred = None, 0.0, 0, 0
+    path = None
     for lo in tqdm(range(0, len(blocks), batch_size), desc="prism", unit="batch", leave=False):
         ids = torch.from_numpy(blocks[lo: lo + batch_size].astype(np.int64))
         out = model(ids, return_sims=True)
@@ -70,6 +104,8 @@ def evaluate_prism(model: PrismForCausalLM, blocks: np.ndarray, batch_size: int)
         sums["resid_sq"] += float(r.pow(2).sum())
         sums["rec"] += float((r.pow(2).sum(-1) / z.pow(2).sum(-1)).sum())
         best = torch.maximum(best, sims.max(0).values)
+        part = _path(model, out, ids)
+        path = part if path is None else path.cat(part)
         used[out.prototype_ids[active].unique()] = True
         z_sum = z.sum(0) if z_sum is None else z_sum + z.sum(0)
         z_sq += float(z.pow(2).sum())
@@ -86,7 +122,53 @@ def evaluate_prism(model: PrismForCausalLM, blocks: np.ndarray, batch_size: int)
         "mean_active": sums["active"] / n_tok,
         "dead_fraction": float((~used).float().mean()),
         "n_prototypes": n_protos, "top_k": model.config.top_k,
+        "path": summarize_path(path),
     }
+
+
+def source_blocks(corpus: str, tokenizer, val_fraction: float, seq_len: int, tokens_per_source: int,
+                  ) -> dict[str, np.ndarray]:
+    """Held-out blocks (N, seq_len) per source: each source's validation documents (the training split's
+    is_validation) in corpus order, up to tokens_per_source tokens a source; sources without one block are left
+    out."""
+    eos = tokenizer.eos_token_id
+    streams: dict[str, list[int]] = {}
+    for doc in read_documents(corpus):
+        if not is_validation(doc.doc_id, val_fraction):
+            continue
+        stream = streams.setdefault(doc.source, [])
+        if len(stream) < tokens_per_source:
+            stream.extend(tokenizer(doc.text, add_special_tokens=False)["input_ids"] + [eos])
+    blocks = {src: pack(np.asarray(s[:tokens_per_source], dtype=np.int32), seq_len) for src, s in streams.items()}
+    return {src: b for src, b in sorted(blocks.items()) if len(b)}
+
+
+def probe_sequences(tokenizer, max_length: int | None = None) -> list[tuple[str, np.ndarray]]:
+    """(kind, ids) per probe passage, each after the end-of-text token, as a training document starts; cut to
+    max_length tokens where the model has a context limit."""
+    eos = tokenizer.eos_token_id
+    return [(p["kind"], np.asarray([eos] + tokenizer(p["text"], add_special_tokens=False)["input_ids"])[:max_length])
+            for p in PROBE]
+
+
+def probe_in_corpus(corpus: str) -> int:
+    """How many probe passages occur (their first 60 characters) in any document of the corpus."""
+    heads = [p["text"][:60] for p in PROBE]
+    found = set()
+    for doc in read_documents(corpus):
+        found.update(i for i, h in enumerate(heads) if h in doc.text)
+    return len(found)
+
+
+def evaluate_probe(model: PrismForCausalLM, tokenizer, corpus: str | None) -> dict:
+    """The path measures on the probe, overall and per kind, and how many passages the corpus holds."""
+    seqs = probe_sequences(tokenizer, model.max_length)
+    result = {"passages": len(seqs), **evaluate_path(model, [s for _, s in seqs], 1, "probe")}
+    for kind in dict.fromkeys(k for k, _ in seqs):
+        result[kind] = evaluate_path(model, [s for k, s in seqs if k == kind], 1, kind)
+    if corpus is not None:
+        result["in_corpus"] = probe_in_corpus(corpus)
+    return result
 
 
 def validation_blocks(args: argparse.Namespace, tokenizer) -> np.ndarray:
@@ -133,6 +215,14 @@ def run(args: argparse.Namespace) -> dict:
                                           args.batch_size, "dense")}
     else:
         results["prism"] = {"checkpoint": str(checkpoint), **evaluate_prism(model, blocks, args.batch_size)}
+        if args.per_source_tokens:
+            per_source = source_blocks(args.corpus, tokenizer, args.val_fraction, args.seq_len,
+                                       args.per_source_tokens)
+            results["prism"]["sources"] = {src: {"tokens": int(b.size), **evaluate_path(model, list(b),
+                                                                                        args.batch_size, src)}
+                                           for src, b in per_source.items()}
+        if not args.no_probe:
+            results["prism"]["probe"] = evaluate_probe(model, tokenizer, args.corpus)
     if args.dense:
         dense = PrismForCausalLM.from_pretrained(args.dense).eval()
         results["dense"] = {"checkpoint": str(args.dense),
@@ -159,6 +249,15 @@ def format_table(results: dict) -> str:
     p = results["prism"]
     rows.append(f"prism: fve {p['fve']:.4f}  r1_bar {p['r1_bar']:.4f}  r2 {p['r2']:.4f}  "
                 f"mean_active {p['mean_active']:.2f}/{p['top_k']}  dead {p['dead_fraction']:.4f}")
+    rows.append(f"{'prototype path':<16} {'agree':>6} {'share':>6} {'>=0.5':>6} {'path CE':>8} {'CE':>7} "
+                f"{'KL':>6}")
+    paths = {"held-out": p["path"], **{f"  {s}": v for s, v in p.get("sources", {}).items()}}
+    if "probe" in p:
+        paths["probe"] = p["probe"]
+        paths.update({f"  {k}": p["probe"][k] for k in ("everyday", "technical", "news", "code") if k in p["probe"]})
+    for name, v in paths.items():
+        rows.append(f"{name:<16} {v['agreement']:>6.3f} {v['margin_share_median']:>6.3f} {v['carried_fraction']:>6.3f} "
+                    f"{v['path_ce']:>8.3f} {v['full_ce']:>7.3f} {v['kl']:>6.3f}")
     if "prism_vs_dense_ce" in results:
         rows.append(f"prism CE vs dense: {100 * results['prism_vs_dense_ce']:+.2f}%")
     return "\n".join(rows)
@@ -176,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, help="default: the training run's")
     parser.add_argument("--seq-len", type=int, help="default: the training run's")
     parser.add_argument("--max-val-tokens", type=int, help="evaluate on at most this many held-out tokens")
+    parser.add_argument("--per-source-tokens", type=int, default=8192,
+                        help="path measures per source on up to this many held-out tokens a source (0: skip)")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="skip the modern-English probe passages (prism/probe.py)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", help="JSON file to write the results to (default: none, the table is printed; "
                                       "nothing is ever written into the checkpoint folder unless --out names it)")
@@ -185,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = cli.parse(parser, argv)
+    if args.per_source_tokens < 0:
+        cli.fail(parser, f"--per-source-tokens must be >= 0, got {args.per_source_tokens}")
     with cli.expected_errors(parser, ValueError, FileNotFoundError):
         results = run(args)
     print(format_table(results))  # noqa: T201 - the command's output

@@ -320,3 +320,11 @@ def test_cli_help_stats_and_export(tmp_path, capsys, fineweb_folder):
         corpus_main(["export", str(tmp_path / "missing.jsonl"), str(out)])
     assert exit_info.value.code == 2
     assert "no corpus at" in capsys.readouterr().err
+
+
+def test_the_modern_probe_is_in_no_default_corpus_document():
+    """prism.probe is kept out of every corpus: none of its passages occurs in the default corpus."""
+    from prism.probe import PROBE
+
+    heads = [p["text"][:60] for p in PROBE]
+    assert not [h for doc in iter_documents("default") for h in heads if h in doc.text]

@@ -117,3 +117,60 @@ def test_more_validation_tokens_than_the_training_cap_reads_the_same_stream_furt
     prism = PrismForCausalLM.from_pretrained(runs["prism"])
     assert wider["prism"]["ce"] == pytest.approx(_ce(prism(full[:15]).logits, full[:15]), rel=1e-4)
     assert capped["prism"]["ce"] == pytest.approx(_ce(prism(full[:5]).logits, full[:5]), rel=1e-4)
+
+
+@torch.no_grad()
+def test_eval_reports_what_the_prototypes_carry_overall_per_source_and_on_the_probe(runs, tmp_path):
+    from prism.eval import next_token_labels, probe_sequences
+    from prism.explain import path_statistics, summarize_path
+    from prism.probe import PROBE
+
+    results = eval_main(["--checkpoint", str(runs["prism"]), "--no-backbone", "--per-source-tokens", "160"])
+    prism = PrismForCausalLM.from_pretrained(runs["prism"])
+    head = prism.lm_head
+
+    def direct(ids):
+        out = prism(ids)
+        return summarize_path(path_statistics(out.z, out.z_hat, head.weight, head.bias, next_token_labels(ids)))
+
+    ids = _val_blocks(runs)
+    path = results["prism"]["path"]
+    for name, value in direct(ids).items():
+        assert path[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+    assert path["full_ce"] == pytest.approx(results["prism"]["ce"], rel=1e-5)  # the same positions and labels
+    # per source: the synthetic corpus is one source, whose first 160 held-out tokens are the same 5 blocks
+    assert list(results["prism"]["sources"]) == ["local"]
+    local = results["prism"]["sources"]["local"]
+    assert local["tokens"] == 160
+    for name, value in direct(ids[:5]).items():
+        assert local[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+    # the probe: every passage its own sequence after EOS, all kinds, none of them in this corpus
+    probe = results["prism"]["probe"]
+    assert probe["passages"] == len(PROBE) >= 32 and probe["in_corpus"] == 0
+    assert set(probe) >= {"everyday", "technical", "news", "code"}
+    tok = load_tokenizer(runs["backbone"])
+    seqs = probe_sequences(tok, prism.max_length)
+    assert all(s[0] == tok.eos_token_id for _, s in seqs)
+    stats = None
+    for _, s in seqs:
+        one = torch.from_numpy(s.astype(np.int64))[None]
+        out = prism(one)
+        part = path_statistics(out.z, out.z_hat, head.weight, head.bias, next_token_labels(one))
+        stats = part if stats is None else stats.cat(part)
+    expected = summarize_path(stats)
+    for name in ("agreement", "path_ce", "margin_share_median", "kl"):
+        assert probe[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-9), name
+    skipped = eval_main(["--checkpoint", str(runs["prism"]), "--no-backbone", "--per-source-tokens", "0",
+                         "--no-probe"])
+    assert "sources" not in skipped["prism"] and "probe" not in skipped["prism"]
+    assert skipped["prism"]["path"] == path
+
+
+def test_a_probe_passage_in_the_corpus_is_counted(tmp_path):
+    from prism.eval import probe_in_corpus
+    from prism.probe import PROBE
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "text": "intro " + PROBE[3]["text"] + " outro"}) + "\n"
+                      + json.dumps({"id": "b", "text": "nothing of the probe"}) + "\n")
+    assert probe_in_corpus(str(corpus)) == 1
