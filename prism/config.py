@@ -40,6 +40,12 @@ class PrismConfig(PreTrainedConfig):
     lambda_r1: float | int = 0.1
     # Weight of L_R2: every token state is pulled towards its nearest prototype (every token is covered).
     lambda_r2: float | int = 0.1
+    # Weights of the terms that ask the prototype path W z_hat + b to carry the prediction (prism/losses.py): its
+    # own cross-entropy, its KL from the full model's distribution, and the residual measured through the head.
+    # 0 (the default, and every checkpoint made before they existed) leaves the paper's objective unchanged.
+    lambda_path_ce: float | int = 0.0
+    lambda_path_kl: float | int = 0.0
+    lambda_head_rec: float | int = 0.0
     # Where the backbone came from ('smollm2', a hub id or a local folder). Needed to reload a checkpoint that
     # was saved without the frozen backbone weights (save_pretrained(trainable_only=True)).
     backbone: str | None = None
@@ -63,7 +69,7 @@ class PrismConfig(PreTrainedConfig):
                 f"top_k ({self.top_k}) cannot exceed n_prototypes ({self.n_prototypes}): "
                 "a token cannot use more prototypes than the bank holds"
             )
-        for name in ("lambda_rec", "lambda_r1", "lambda_r2"):
+        for name in LAMBDAS:
             value = getattr(self, name)
             if isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
@@ -75,5 +81,5 @@ class PrismConfig(PreTrainedConfig):
         return {name: getattr(self, name) for name in PRISM_FIELDS}
 
 
-PRISM_FIELDS = ("n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "backbone", "backbone_fingerprint",
-                "weights", "metadata")
+LAMBDAS = ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_path_ce", "lambda_path_kl", "lambda_head_rec")
+PRISM_FIELDS = ("n_prototypes", "top_k", *LAMBDAS, "backbone", "backbone_fingerprint", "weights", "metadata")

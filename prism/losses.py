@@ -1,6 +1,13 @@
 """The PRISM training objective as pure functions (docs/DESIGN.md section 2).
 
     L = L_CE + lambda_rec * L_REC + lambda_1 * L_R1 + lambda_2 * L_R2
+        [+ lambda_path_ce * L_PATH_CE + lambda_path_kl * L_PATH_KL + lambda_head_rec * L_HEAD_REC]
+
+The bracketed terms are ours, off by default (weight 0): they ask the prototype path W z_hat + b, not only z_hat,
+to carry the prediction (prism.explain measures how much it does). L_PATH_CE is the path's own next-token
+cross-entropy, L_PATH_KL the KL from the full model's distribution (a fixed target) to the path's, and L_HEAD_REC
+the residual measured through the head, ||W_c r||^2 / ||W_c z||^2 with W_c the head's rows minus their mean (a
+shift of every logit by one amount changes no probability), computed with the d x d Gram matrix W_c^T W_c.
 
 Every function takes tensors and returns a scalar tensor; none touches a module, so each can be checked
 against an independent computation in the tests.
@@ -45,6 +52,31 @@ def r2_loss(sims: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tenso
     return _masked_mean(1.0 - sims.max(dim=-1).values, mask)
 
 
+def path_kl_loss(logits: torch.Tensor, path_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """L_PATH_KL = mean over tokens of KL(softmax(logits) || softmax(path_logits)), logits and path_logits (..., V).
+    The full model's distribution is the target and gets no gradient from this term (the path follows the model,
+    the model is not pulled toward the path); its own CE keeps it good."""
+    target = _wide(logits.detach()).log_softmax(-1)  # (..., V)
+    kl = (target.exp() * (target - _wide(path_logits).log_softmax(-1))).sum(-1)  # (...)
+    return _masked_mean(kl, mask)
+
+
+def head_gram(weight: torch.Tensor) -> torch.Tensor:
+    """W_c^T W_c (d, d) for the LM head's weight (V, d), W_c = W minus its mean row: ||W_c x||^2 = x^T G x is how
+    much x moves the logits apart from each other."""
+    centered = _wide(weight) - _wide(weight).mean(0, keepdim=True)  # (V, d)
+    return centered.T @ centered
+
+
+def head_rec_loss(z: torch.Tensor, z_hat: torch.Tensor, gram: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """L_HEAD_REC = mean over tokens of ||W_c r||^2 / ||W_c z||^2, r = z - z_hat; gram = head_gram(W) (d, d)."""
+    r, z = _wide(z - z_hat), _wide(z)
+    num = ((r @ gram) * r).sum(-1)  # (...)
+    den = ((z @ gram) * z).sum(-1).clamp_min(1e-12)
+    return _masked_mean(num / den, mask)
+
+
 def prism_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -54,8 +86,17 @@ def prism_loss(
     lambda_rec: float,
     lambda_r1: float,
     lambda_r2: float,
+    *,
+    path_logits: torch.Tensor | None = None,
+    lambda_path_ce: float = 0.0,
+    lambda_path_kl: float = 0.0,
+    gram: torch.Tensor | None = None,
+    lambda_head_rec: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The weighted sum and its terms. Tokens whose label is IGNORE_INDEX (padding) are left out of every term."""
+    """The weighted sum and its terms. Tokens whose label is IGNORE_INDEX (padding) are left out of every term.
+
+    path_logits (B, T, V) = lm_head(z_hat) is needed when lambda_path_ce or lambda_path_kl > 0, gram (d, d) =
+    head_gram(W) when lambda_head_rec > 0; a term whose weight is 0 is neither computed nor reported."""
     mask = labels != IGNORE_INDEX  # (B, T)
     losses = {
         "ce": ce_loss(logits, labels),
@@ -64,6 +105,19 @@ def prism_loss(
         "r2": r2_loss(sims, mask),
     }
     total = losses["ce"] + lambda_rec * losses["rec"] + lambda_r1 * losses["r1"] + lambda_r2 * losses["r2"]
+    if (lambda_path_ce or lambda_path_kl) and path_logits is None:
+        raise ValueError("lambda_path_ce / lambda_path_kl > 0 need path_logits = lm_head(z_hat)")
+    if lambda_head_rec and gram is None:
+        raise ValueError("lambda_head_rec > 0 needs gram = head_gram(lm_head.weight)")
+    if lambda_path_ce:
+        losses["path_ce"] = ce_loss(path_logits, labels)
+        total = total + lambda_path_ce * losses["path_ce"]
+    if lambda_path_kl:
+        losses["path_kl"] = path_kl_loss(logits, path_logits, mask)
+        total = total + lambda_path_kl * losses["path_kl"]
+    if lambda_head_rec:
+        losses["head_rec"] = head_rec_loss(z, z_hat, gram, mask)
+        total = total + lambda_head_rec * losses["head_rec"]
     return total, losses
 
 
@@ -83,6 +137,11 @@ class _ColumnMax(torch.autograd.Function):
         x, values = ctx.saved_tensors
         hit = x == values  # (N, K), one True per column unless values tie
         return torch.where(hit, grad / hit.sum(dim=0), 0.0)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least float32 (bfloat16 products under autocast widened; float64 kept, for gradient checks)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -52,7 +52,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from prism.config import PrismConfig
-from prism.losses import prism_loss
+from prism.losses import head_gram, prism_loss
 
 logger = logging.getLogger(__name__)
 
@@ -640,12 +640,26 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             if attention_mask is not None:
                 labels = labels.masked_fill(attention_mask == 0, -100)
-            cfg = self.config
-            out.loss, out.losses = prism_loss(out.logits, labels, z, out.z_hat, out.sims,
-                                              cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2)
+            out.loss, out.losses = self.objective(out, labels)
             if not return_sims:
                 out.sims = None
         return out
+
+    def objective(self, out: PrismOutput, labels: torch.Tensor, path_logits: torch.Tensor | None = None,
+                  gram: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """prism_loss of a head output (computed with return_sims=True) with this config's weights, in float32.
+        path_logits = lm_head(z_hat) and gram = head_gram(W) are computed here when a weight needs them and they
+        are not given (training passes them: the first under autocast, the second once for a frozen head)."""
+        cfg = self.config
+        if (cfg.lambda_path_ce or cfg.lambda_path_kl) and path_logits is None:
+            path_logits = self.lm_head(out.z_hat)  # (B, T, V)
+        if cfg.lambda_head_rec and gram is None:
+            gram = head_gram(self.lm_head.weight)  # (d, d)
+        return prism_loss(out.logits.float(), labels, out.z.float(), out.z_hat.float(), out.sims.float(),
+                          cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2,
+                          path_logits=None if path_logits is None else path_logits.float(),
+                          lambda_path_ce=cfg.lambda_path_ce, lambda_path_kl=cfg.lambda_path_kl,
+                          gram=gram, lambda_head_rec=cfg.lambda_head_rec)
 
     # -- decomposition --------------------------------------------------------------------------------------
 

