@@ -74,3 +74,63 @@ def test_flags_the_sweep_sets_are_refused_in_the_shared_arguments(tmp_path, caps
         main(["--out", str(tmp_path), "--r1", "0.1,x", "--", "--corpus", "x"])
     assert "comma-separated" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def points(tmp_path_factory):
+    root = tmp_path_factory.mktemp("points")
+    backbone = str(tiny_backbone_dir(root / "bb"))
+    corpus = str(write_corpus(root / "c", n_docs=60))
+    common = ["--backbone", backbone, "--corpus", corpus, "--cache-dir", str(root / "cache"), "--mode", "top",
+              "--n-layers", "1", "--n-prototypes", "16", "--top-k", "4", "--steps", "6", "--seq-len", "32",
+              "--batch-size", "4", "--init-tokens", "200", "--val-fraction", "0.2", "--max-tokens", "2000",
+              "--lambda-r1", "1", "--log-every", "2"]
+    argv = ["--out", str(root / "out"), "--point", "base=", "--point", "kl=--lambda-path-kl 1 --top-k 8",
+            "--point", "l2=--n-layers 2 --n-prototypes 24", "--max-val-tokens", "320", "--per-source-tokens", "160",
+            "--", *common]
+    return {"root": root, "argv": argv, "result": main(argv)}
+
+
+def test_named_points_are_each_evaluated_against_a_dense_baseline_with_their_own_dense_flags(points):
+    from bench.loss_sweep import tokens_per_s
+
+    out = points["root"] / "out"
+    rows = {r["point"]: r for r in map(json.loads, (out / "sweep.jsonl").read_text().splitlines())}
+    assert list(rows) == ["base", "kl", "l2"] and points["result"]["points"] == 3
+    # base and kl differ only in the bank's flags: one dense baseline; l2 trains two layers, so its own
+    assert sorted(points["result"]["dense"]) == ["dense", "dense_n-layers-2"]
+    assert json.loads((out / "dense_n-layers-2" / "train_args.json").read_text())["n_layers"] == 2
+    assert json.loads((out / "dense" / "train_args.json").read_text())["n_layers"] == 1
+    assert (rows["kl"]["top_k"], rows["kl"]["lambda_path_kl"], rows["base"]["lambda_path_kl"]) == (8, 1.0, 0.0)
+    assert (rows["l2"]["n_layers"], rows["l2"]["n_prototypes"]) == (2, 24)
+    for name, dense in (("base", "dense"), ("kl", "dense"), ("l2", "dense_n-layers-2")):
+        r = rows[name]
+        direct = eval_main(["--checkpoint", str(out / name / "final"), "--dense", str(out / dense / "final"),
+                            "--no-backbone", "--max-val-tokens", "320", "--per-source-tokens", "160"])
+        p = direct["prism"]
+        assert r["ce_gap"] == pytest.approx(direct["prism_vs_dense_ce"], rel=1e-6, abs=1e-9)
+        assert r["agreement"] == pytest.approx(p["path"]["agreement"])
+        assert r["margin_share"] == pytest.approx(p["path"]["margin_share_median"])
+        assert r["worst_source"] == "local"
+        assert r["worst_source_agreement"] == pytest.approx(p["sources"]["local"]["agreement"])
+        assert r["probe_agreement"] == pytest.approx(p["probe"]["agreement"])
+        assert r["speed_vs_dense"] == pytest.approx(tokens_per_s(out / name) / tokens_per_s(out / dense))
+    again = main(points["argv"])  # a second run reuses every run and evaluation
+    assert again == points["result"]
+
+
+def test_point_arguments_are_checked(tmp_path, capsys):
+    from bench.loss_sweep import dense_flags, parse_point
+
+    assert parse_point("a.1=--top-k 8 --lambda-path-kl=2") == ("a.1", ["--top-k", "8", "--lambda-path-kl=2"])
+    assert parse_point("empty=") == ("empty", [])
+    assert dense_flags(["--top-k", "8", "--n-layers", "4", "--lambda-path-kl=2", "--lr", "1e-4"]) == \
+        ["--n-layers", "4", "--lr", "1e-4"]
+    for bad in ("noequals", "dense=--top-k 8", "a b=", "x=--out y", "x=--dense-baseline", "x='open"):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path), "--point", bad, "--", "--corpus", "x"])
+        assert "error" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--point", "a=", "--point", "a=--top-k 2", "--", "--corpus", "x"])
+    assert "distinct" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
