@@ -34,6 +34,7 @@ from precompute import query
 from precompute.query import UnknownPrototype
 from prism import Interventions, PrismForCausalLM
 from prism.backbones import load_tokenizer
+from prism.explain import Carried, Diff, token_diff
 from prism.model import changed_selection
 
 logger = logging.getLogger(__name__)
@@ -142,21 +143,12 @@ class TokenView:
     chosen: TokenDecomposition
     alternatives: list[TokenDecomposition]  # the top tokens at that position, chosen one included, by logit
     stream_logit: float  # the logit stream() chose the token from (KV-cached; equal up to float noise)
+    carried: Carried | None = None  # None when the two logits tie (no choice to share out)
 
     def as_dict(self) -> dict:
         return {"index": self.index, "position": self.position, "stream_logit": self.stream_logit,
-                "chosen": self.chosen.as_dict(), "alternatives": [a.as_dict() for a in self.alternatives]}
-
-
-@dataclass
-class Diff:
-    """Token-by-token comparison of two continuations of the same prompt and seed."""
-
-    status: list[str]  # per intervened token: same | first change | changed | after change
-    first_change: int | None  # index of the first differing token
-
-    def changed(self, index: int) -> bool:
-        return self.status[index] in ("first change", "changed")
+                "chosen": self.chosen.as_dict(), "alternatives": [a.as_dict() for a in self.alternatives],
+                "carried": self.carried.as_dict() if self.carried else None}
 
 
 @dataclass
@@ -373,8 +365,12 @@ class Studio:
         tokens = sorted(tokens, key=lambda t: -float(logits[t]))
         decs = self.model.decompose_output(out, 0, tokens)
         views = {d.token_id: self._decomposition(d) for d in decs}
+        runner = next((d for d in decs if d.token_id != chosen), None)  # decs are in logit order
+        carried = runner and Carried.of(next(d for d in decs if d.token_id == chosen), runner,
+                                        views[runner.token_id].token)
         return TokenView(index=index, position=position, chosen=views[chosen],
-                         alternatives=[views[t] for t in tokens], stream_logit=gen.steps[index].logit)
+                         alternatives=[views[t] for t in tokens], stream_logit=gen.steps[index].logit,
+                         carried=carried)
 
     def _decomposition(self, d) -> TokenDecomposition:
         slices = []
@@ -571,19 +567,8 @@ def restrict(interventions: Interventions, ids: set[int]) -> Interventions:
 
 
 def side_by_side(original: Generation, intervened: Generation) -> Diff:
-    """Per intervened token: 'same' before the first difference, 'first change' there, then 'changed' where the
-    tokens at the same index differ and 'after change' where they agree again (the texts before them differ)."""
-    a, b = original.token_ids, intervened.token_ids
-    first = next((i for i in range(len(b)) if i >= len(a) or a[i] != b[i]), None)
-    status = []
-    for i, token in enumerate(b):
-        if first is None or i < first:
-            status.append("same")
-        elif i == first:
-            status.append("first change")
-        else:
-            status.append("changed" if i >= len(a) or a[i] != token else "after change")
-    return Diff(status=status, first_change=first)
+    """The intervened text's tokens against the original's (prism.explain.token_diff)."""
+    return token_diff(original.token_ids, intervened.token_ids)
 
 
 def rerouted_summary(gen: Generation, top: int = 5) -> list[tuple[int, int]]:

@@ -254,7 +254,8 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
     top = view.chosen.slices[0].prototype_id if view.chosen.slices else None
     data = view.as_dict()
     data["why_changed"] = why.as_dict() if why else None
-    return (plots.decomposition_figure(view.chosen), plots.alternatives_figure(view), _token_summary(view, why),
+    return (plots.decomposition_figure(view.chosen, view.carried), plots.alternatives_figure(view),
+            _token_summary(view, why),
             rows, top, session, data)
 
 
@@ -282,6 +283,16 @@ def refresh_attribution(studio: Studio, token: dict | None, run: str, index, ses
     return attribution_panel(studio, run, index, session)
 
 
+def carried_line(c) -> str:
+    """What the prototypes carry of the choice, in words (app.core.Carried), marked when the residual decides."""
+    text = (f"Prototypes carry **{100 * c.prototypes:.0f}%** of this choice over {html.escape(repr(c.runner_up))} "
+            f"(logit gap {c.gap:+.3f}); the residual **{100 * c.residual:.0f}%**.")
+    if c.residual_decides:
+        text = ("⚠ **The residual decides this choice, not the prototypes**: the slices do not explain why this "
+                "token beat the runner-up. " + text)
+    return text
+
+
 def _token_summary(view: TokenView, why) -> str:
     d = view.chosen
     lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
@@ -296,6 +307,8 @@ def _token_summary(view: TokenView, why) -> str:
         else:
             lines.append(f"Chosen (sampled): {html.escape(repr(d.token))} at {d.logit:.4f}; highest logit "
                          f"{html.escape(repr(best.token))} at {best.logit:.4f}.")
+    if view.carried is not None:
+        lines.append(carried_line(view.carried))
     if d.rerouted_ids:
         lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
                      f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")

@@ -30,10 +30,11 @@ def slice_name(prototype_id: int, label: str) -> str:
     return f"#{prototype_id} {label}".strip()
 
 
-def decomposition_figure(d: TokenDecomposition) -> go.Figure:
+def decomposition_figure(d: TokenDecomposition, carried=None) -> go.Figure:
     """Horizontal waterfall, read top to bottom: the residual first (set apart), then one bar per active prototype
     from the largest contribution to the smallest, ending in the exact sum; a dotted line marks the model's logit,
-    which the sum meets."""
+    which the sum meets. carried (app.core.Carried, optional) adds what the prototypes carry of the choice over the
+    runner-up to the title, in red when the residual decides."""
     slices = sorted(d.slices, key=lambda s: -s.contribution)
     names = ["residual (W·r + b)"] + [slice_name(s.prototype_id, s.label) for s in slices] + ["sum"]
     values = [d.residual] + [s.contribution for s in slices] + [d.total]
@@ -52,11 +53,17 @@ def decomposition_figure(d: TokenDecomposition) -> go.Figure:
     fig.add_vline(x=d.logit, line=dict(color="black", dash="dot", width=1),
                   annotation=dict(text=f"model logit {d.logit:.4f}", font=dict(size=11)),
                   annotation_position="top")
-    fig.update_layout(title=dict(text=f"logit of {d.token!r} = residual + {len(slices)} slice(s) = {d.total:.4f}",
-                                 font=dict(size=14)), showlegend=False,
+    title = f"logit of {d.token!r} = residual + {len(slices)} slice(s) = {d.total:.4f}"
+    if carried is not None:
+        colour = "#c0392b" if carried.residual_decides else "#2e7d32"
+        title += (f"<br><span style='font-size:12px;color:{colour}'>prototypes carry {100 * carried.prototypes:.0f}% "
+                  f"of the choice over {carried.runner_up!r}, the residual {100 * carried.residual:.0f}%"
+                  + (" (the residual decides)" if carried.residual_decides else "") + "</span>")
+    fig.update_layout(title=dict(text=title, font=dict(size=14)), showlegend=False,
                       yaxis=dict(autorange="reversed", automargin=True),
                       xaxis=dict(range=[low - pad, high + pad], zeroline=True),
-                      **{**_LAYOUT, "height": 120 + 30 * len(names), "margin": dict(l=10, r=30, t=60, b=30)})
+                      **{**_LAYOUT, "height": 120 + 30 * len(names),
+                         "margin": dict(l=10, r=30, t=75 if carried else 60, b=30)})
     return fig
 
 

@@ -199,6 +199,46 @@ def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studi
         pytest.fail("at temperature 2 some sampled token should not be the argmax")
 
 
+@torch.no_grad()
+def test_the_view_says_what_the_prototypes_carry_of_the_choice_over_the_runner_up(studio):
+    """The carried share against prism.explain's path measure on an independent full forward (the same position's
+    margin share when the chosen token is the top one), and in the summary, the figure and the data."""
+    seen = {"top": 0, "sampled": 0}
+    for gen in (studio.generate(GenerationSettings(PROMPT, max_new_tokens=8)),
+                studio.generate(GenerationSettings(PROMPT, max_new_tokens=8, temperature=1.5, seed=3))):
+        _check_carried(studio, gen, seen)
+    assert seen["top"] and seen["sampled"], seen
+
+
+def _check_carried(studio, gen, seen):
+    from prism.explain import path_statistics
+
+    model = studio.model
+    out = model(gen.input_ids())
+    shares = path_statistics(out.z, out.z_hat, model.lm_head.weight, model.lm_head.bias).share
+    for index in range(len(gen.steps)):
+        view = studio.token_view(gen, index)
+        c = view.carried
+        runner = next(a for a in view.alternatives if a.token_id != view.chosen.token_id)
+        assert c.runner_up_id == runner.token_id and c.gap == pytest.approx(view.chosen.logit - runner.logit)
+        slices = sum(x.contribution for x in view.chosen.slices) - sum(x.contribution for x in runner.slices)
+        assert c.prototypes == pytest.approx(slices / c.gap, rel=1e-4, abs=1e-5)
+        assert c.residual == pytest.approx((view.chosen.residual - runner.residual) / c.gap, rel=1e-3, abs=1e-4)
+        if view.alternatives[0].token_id == view.chosen.token_id:  # the top token: the path measure's own share
+            seen["top"] += 1
+            assert c.prototypes == pytest.approx(float(shares[view.position]), rel=1e-3, abs=1e-4)
+        else:
+            seen["sampled"] += 1
+            assert c.gap < 0
+        summary = handlers._token_summary(view, None)
+        assert f"Prototypes carry **{100 * c.prototypes:.0f}%**" in summary
+        assert ("The residual decides this choice" in summary) == (c.prototypes < 0.5)
+        title = plots.decomposition_figure(view.chosen, c).layout.title.text
+        assert f"prototypes carry {100 * c.prototypes:.0f}%" in title
+        assert ("the residual decides" in title) == (c.prototypes < 0.5)
+        assert view.as_dict()["carried"] == {**c.as_dict(), "residual_decides": c.prototypes < 0.5}
+
+
 def test_a_new_generation_clears_the_explanation_panel(studio):
     waterfall, alternatives, summary, rows, data, attribution, attribution_data, status = handlers.clear_explanation()
     assert "new text" in summary and status == "Generating…"
