@@ -67,17 +67,28 @@ def _path(model: PrismForCausalLM, out, ids: torch.Tensor) -> PathStatistics:
 
 
 @torch.no_grad()
-def evaluate_path(model: PrismForCausalLM, sequences: list[np.ndarray], batch_size: int, desc: str) -> dict:
-    """The path measures (prism.explain.summarize_path) over sequences of token ids: blocks of one length are
-    batched, sequences of other lengths run one at a time."""
-    stats = None
-    same = len({len(s) for s in sequences}) == 1
-    step = batch_size if same else 1
+def path_parts(model: PrismForCausalLM, sequences: list[np.ndarray], batch_size: int, desc: str,
+               ) -> list[PathStatistics]:
+    """The per-position path measures of each batch of sequences of token ids: blocks of one length are batched,
+    sequences of other lengths run one at a time (so a part is one sequence)."""
+    parts = []
+    step = batch_size if len({len(s) for s in sequences}) == 1 else 1
     for lo in tqdm(range(0, len(sequences), step), desc=desc, unit="batch", leave=False):
         ids = torch.from_numpy(np.stack(sequences[lo: lo + step]).astype(np.int64))  # (b, T)
-        part = _path(model, model(ids), ids)
-        stats = part if stats is None else stats.cat(part)
+        parts.append(_path(model, model(ids), ids))
+    return parts
+
+
+def _summary(parts: list[PathStatistics]) -> dict:
+    stats = parts[0]
+    for part in parts[1:]:
+        stats = stats.cat(part)
     return summarize_path(stats)
+
+
+def evaluate_path(model: PrismForCausalLM, sequences: list[np.ndarray], batch_size: int, desc: str) -> dict:
+    """The path measures (prism.explain.summarize_path) over sequences of token ids."""
+    return _summary(path_parts(model, sequences, batch_size, desc))
 
 
 @torch.no_grad()
@@ -163,9 +174,10 @@ def probe_in_corpus(corpus: str) -> int:
 def evaluate_probe(model: PrismForCausalLM, tokenizer, corpus: str | None) -> dict:
     """The path measures on the probe, overall and per kind, and how many passages the corpus holds."""
     seqs = probe_sequences(tokenizer, model.max_length)
-    result = {"passages": len(seqs), **evaluate_path(model, [s for _, s in seqs], 1, "probe")}
+    parts = path_parts(model, [s for _, s in seqs], 1, "probe")  # one part per passage
+    result = {"passages": len(seqs), **_summary(parts)}
     for kind in dict.fromkeys(k for k, _ in seqs):
-        result[kind] = evaluate_path(model, [s for k, s in seqs if k == kind], 1, kind)
+        result[kind] = _summary([part for (k, _), part in zip(seqs, parts) if k == kind])
     if corpus is not None:
         result["in_corpus"] = probe_in_corpus(corpus)
     return result
