@@ -261,14 +261,15 @@ def format_table(results: dict) -> str:
     p = results["prism"]
     rows.append(f"prism: fve {p['fve']:.4f}  r1_bar {p['r1_bar']:.4f}  r2 {p['r2']:.4f}  "
                 f"mean_active {p['mean_active']:.2f}/{p['top_k']}  dead {p['dead_fraction']:.4f}")
-    rows.append(f"{'prototype path':<16} {'agree':>6} {'share':>6} {'>=0.5':>6} {'path CE':>8} {'CE':>7} "
+    rows.append(f"{'prototype path':<18} {'agree':>6} {'share':>6} {'>=0.5':>6} {'path CE':>8} {'CE':>7} "
                 f"{'KL':>6}")
     paths = {"held-out": p["path"], **{f"  {s}": v for s, v in p.get("sources", {}).items()}}
     if "probe" in p:
         paths["probe"] = p["probe"]
-        paths.update({f"  {k}": p["probe"][k] for k in ("everyday", "technical", "news", "code") if k in p["probe"]})
+        paths.update({f"  probe {k}": p["probe"][k] for k in ("everyday", "technical", "news", "code")
+                      if k in p["probe"]})
     for name, v in paths.items():
-        rows.append(f"{name:<16} {v['agreement']:>6.3f} {v['margin_share_median']:>6.3f} {v['carried_fraction']:>6.3f} "
+        rows.append(f"{name:<18} {v['agreement']:>6.3f} {v['margin_share_median']:>6.3f} {v['carried_fraction']:>6.3f} "
                     f"{v['path_ce']:>8.3f} {v['full_ce']:>7.3f} {v['kl']:>6.3f}")
     if "prism_vs_dense_ce" in results:
         rows.append(f"prism CE vs dense: {100 * results['prism_vs_dense_ce']:+.2f}%")

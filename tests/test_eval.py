@@ -160,6 +160,10 @@ def test_eval_reports_what_the_prototypes_carry_overall_per_source_and_on_the_pr
     expected = summarize_path(stats)
     for name in ("agreement", "path_ce", "margin_share_median", "kl"):
         assert probe[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-9), name
+    from prism.eval import format_table
+
+    table = format_table(results)  # one row per source and per probe kind, none overwriting another
+    assert "\n  local " in table and all(f"\n  probe {k} " in table for k in ("everyday", "technical", "news", "code"))
     skipped = eval_main(["--checkpoint", str(runs["prism"]), "--no-backbone", "--per-source-tokens", "0",
                          "--no-probe"])
     assert "sources" not in skipped["prism"] and "probe" not in skipped["prism"]
