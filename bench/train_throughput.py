@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n-layers", type=int, default=2)
     parser.add_argument("--n-prototypes", type=int, default=1024)
     parser.add_argument("--top-k", type=int, default=8)
+    for name in ("lambda_path_ce", "lambda_path_kl", "lambda_head_rec"):  # the prototype-path terms (prism.train)
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=0.0,
+                            help=f"PRISM's {name} (default 0: the paper's objective)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per model (after 2 warm-up steps)")
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also time bfloat16 mixed precision (--autocast bfloat16) against float32: PRISM and "
                              "dense steps, and the lower layers' forward that fills the cache")
     args = cli.parse(parser, argv)
+    path_terms = {name: getattr(args, name) for name in ("lambda_path_ce", "lambda_path_kl", "lambda_head_rec")}
+    with cli.expected_errors(parser, ValueError):  # bad sizes or weights, before anything loads
+        PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, **path_terms)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     stream = tokenize_split(args.corpus, tokenizer, 0.0, max_tokens=n_blocks * args.seq_len + 1)["train"]
     blocks = pack(stream, args.seq_len)[:n_blocks]
     backbone = load_backbone(args.backbone)
-    cfg = PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, backbone=args.backbone)
+    cfg = PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, backbone=args.backbone, **path_terms)
     prism = PrismForCausalLM.from_backbone(backbone, cfg).eval()
     dense = copy.deepcopy(prism)
     start = prism.n_layers - args.n_layers
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, model in models.items():
         targs = TrainArgs(corpus=args.corpus, out="-", mode="top", n_layers=args.n_layers,
                           n_prototypes=args.n_prototypes, top_k=args.top_k, dense_baseline=name.startswith("dense"),
+                          **path_terms,
                           autocast="bfloat16" if name.endswith("_bf16") else "none")
         _set_trainable(model, targs)
         modules[name] = TrainModule(model, targs)
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
         "backbone": args.backbone, "n_layers": args.n_layers, "n_prototypes": args.n_prototypes,
-        "top_k": args.top_k, "tokens_per_step": tokens, "repeats": args.repeats,
+        "top_k": args.top_k, **path_terms, "tokens_per_step": tokens, "repeats": args.repeats,
         "prism_s_per_step": med["prism"], "dense_s_per_step": med["dense"],
         "prism_tokens_per_s": tokens / med["prism"], "dense_tokens_per_s": tokens / med["dense"],
         "throughput_ratio": med["dense"] / med["prism"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 from helpers import tiny_backbone_dir, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,12 @@ def test_train_throughput_bench_times_both_models_on_the_same_steps(tmp_path, ca
     assert result["prism_s_per_step"] > 0 and result["dense_s_per_step"] > 0
     assert result["throughput_ratio"] == result["dense_s_per_step"] / result["prism_s_per_step"]
     assert '"throughput_ratio"' in capsys.readouterr().out
+    with_path = bench.main(["--backbone", str(tmp_path / "bb"), "--corpus", str(tmp_path / "c" / "corpus.jsonl"),
+                            "--n-layers", "1", "--n-prototypes", "16", "--top-k", "4", "--seq-len", "32",
+                            "--batch-size", "2", "--repeats", "2", "--lambda-path-kl", "1", "--lambda-head-rec", "0.5"])
+    assert (with_path["lambda_path_kl"], with_path["lambda_head_rec"], with_path["lambda_path_ce"]) == (1.0, 0.5, 0.0)
+    with pytest.raises(SystemExit):
+        bench.main(["--corpus", "x", "--lambda-path-kl", "-1"])
 
 
 def test_train_throughput_bench_compares_autocast_on_the_same_steps(tmp_path):
