@@ -284,9 +284,15 @@ def refresh_attribution(studio: Studio, token: dict | None, run: str, index, ses
 
 
 def carried_line(c) -> str:
-    """What the prototypes carry of the choice, in words (app.core.Carried), marked when the residual decides."""
-    text = (f"Prototypes carry **{100 * c.prototypes:.0f}%** of this choice over {html.escape(repr(c.runner_up))} "
-            f"(logit gap {c.gap:+.3f}); the residual **{100 * c.residual:.0f}%**.")
+    """What the prototypes carry of the choice, in words (prism.explain.Carried), marked when the residual decides.
+    A sampled token below the runner-up was not the model's choice: then the line splits the gap it lost by."""
+    other = html.escape(repr(c.runner_up))
+    parts = f"the prototypes **{100 * c.prototypes:.0f}%**, the residual **{100 * c.residual:.0f}%**"
+    if c.prototypes > 1 or c.prototypes < 0:
+        parts += " (the two pull opposite ways)"
+    if c.gap < 0:
+        return f"Sampled below {other} (logit gap {c.gap:+.3f}); of that gap {parts}."
+    text = f"Of this choice over {other} (logit gap {c.gap:+.3f}) {parts} carry."
     if c.residual_decides:
         text = ("⚠ **The residual decides this choice, not the prototypes**: the slices do not explain why this "
                 "token beat the runner-up. " + text)

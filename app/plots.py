@@ -55,10 +55,12 @@ def decomposition_figure(d: TokenDecomposition, carried=None) -> go.Figure:
                   annotation_position="top")
     title = f"logit of {d.token!r} = residual + {len(slices)} slice(s) = {d.total:.4f}"
     if carried is not None:
-        colour = "#c0392b" if carried.residual_decides else "#2e7d32"
+        what = "the gap to" if carried.gap < 0 else "the choice over"
+        decides = carried.residual_decides and carried.gap > 0
+        colour = "#c0392b" if decides else "#2e7d32" if carried.gap > 0 else "#555555"
         title += (f"<br><span style='font-size:12px;color:{colour}'>prototypes carry {100 * carried.prototypes:.0f}% "
-                  f"of the choice over {carried.runner_up!r}, the residual {100 * carried.residual:.0f}%"
-                  + (" (the residual decides)" if carried.residual_decides else "") + "</span>")
+                  f"of {what} {carried.runner_up!r}, the residual {100 * carried.residual:.0f}%"
+                  + (" (the residual decides)" if decides else "") + "</span>")
     fig.update_layout(title=dict(text=title, font=dict(size=14)), showlegend=False,
                       yaxis=dict(autorange="reversed", automargin=True),
                       xaxis=dict(range=[low - pad, high + pad], zeroline=True),

@@ -231,11 +231,14 @@ def _check_carried(studio, gen, seen):
             seen["sampled"] += 1
             assert c.gap < 0
         summary = handlers._token_summary(view, None)
-        assert f"Prototypes carry **{100 * c.prototypes:.0f}%**" in summary
-        assert ("The residual decides this choice" in summary) == (c.prototypes < 0.5)
+        assert f"the prototypes **{100 * c.prototypes:.0f}%**, the residual **{100 * c.residual:.0f}%**" in summary
+        # the warning is for the model's own choice; a sampled token below the runner-up gets the gap split instead
+        assert ("The residual decides this choice" in summary) == (c.prototypes < 0.5 and c.gap > 0)
+        assert ("Sampled below" in summary) == (c.gap < 0)
+        assert ("pull opposite ways" in summary) == (not 0 <= c.prototypes <= 1)
         title = plots.decomposition_figure(view.chosen, c).layout.title.text
         assert f"prototypes carry {100 * c.prototypes:.0f}%" in title
-        assert ("the residual decides" in title) == (c.prototypes < 0.5)
+        assert ("the residual decides" in title) == (c.prototypes < 0.5 and c.gap > 0)
         assert view.as_dict()["carried"] == {**c.as_dict(), "residual_decides": c.prototypes < 0.5}
 
 
