@@ -254,13 +254,15 @@ def path_figure(rows: list[dict]):
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("top-1 agreement of W z_hat + b with the model",
                                                         "median margin share of the prototypes"))
-    for n_protos in sorted({r["n_prototypes"] for r in rows}):
+    palette = ("#4e79a7", "#e15759", "#59a14f", "#b07aa1", "#f28e2b")
+    for i, n_protos in enumerate(sorted({r["n_prototypes"] for r in rows})):
         group = sorted((r for r in rows if r["n_prototypes"] == n_protos), key=lambda r: r["ce_gap"])
         x = [100 * r["ce_gap"] for r in group]
         text = [r["point"] for r in group]
         for col, index in ((1, 0), (2, 1)):
             fig.add_trace(go.Scatter(x=x, y=[path_goal_values(r)[index] for r in group], text=text,
                                      mode="lines+markers+text", textposition="top center", name=f"K = {n_protos}",
+                                     line=dict(color=palette[i % len(palette)]),
                                      legendgroup=str(n_protos), showlegend=col == 1), row=1, col=col)
     for col, goal in ((1, PATH_GOALS["agreement"]), (2, PATH_GOALS["margin_share"])):
         fig.add_hline(y=goal, line_dash="dash", line_color="grey", row=1, col=col)

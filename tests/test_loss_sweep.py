@@ -134,3 +134,22 @@ def test_point_arguments_are_checked(tmp_path, capsys):
         main(["--out", str(tmp_path), "--point", "a=", "--point", "a=--top-k 2", "--", "--corpus", "x"])
     assert "distinct" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_plot_has_one_curve_per_bank_size_in_both_panels_with_one_colour():
+    from bench.loss_sweep import path_figure, path_goal_values
+
+    def r(name, k, gap, agree):
+        return {"point": name, "n_prototypes": k, "ce_gap": gap, "agreement": agree,
+                "worst_source_agreement": agree - 0.1, "probe_agreement": agree - 0.2, "margin_share": 0.7,
+                "min_source_margin_share": 0.5,
+                "probe_margin_share": 0.4}
+
+    rows = [r("a", 1024, 0.01, 0.3), r("b", 1024, 0.005, 0.4), r("c", 4096, 0.009, 0.5)]
+    fig = path_figure(rows)
+    traces = [t for t in fig.data if t.name]
+    assert [t.name for t in traces] == ["K = 1024", "K = 1024", "K = 4096", "K = 4096"]
+    assert traces[0].line.color == traces[1].line.color != traces[2].line.color == traces[3].line.color
+    assert list(traces[0].x) == [0.5, 1.0]  # sorted by CE gap, in percent
+    assert list(traces[0].y) == [path_goal_values(rows[1])[0], path_goal_values(rows[0])[0]]
+    assert list(traces[0].y) == pytest.approx([0.2, 0.1])  # the lowest of overall, worst source and probe
