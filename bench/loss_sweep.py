@@ -247,30 +247,31 @@ def path_table(rows: list[dict], chosen: dict | None) -> str:
 
 
 def path_figure(rows: list[dict]):
-    """Agreement and margin share (the lowest of overall, worst source and probe) against the CE gap, one curve
-    per bank size K."""
+    """Agreement and margin share of each point, held-out / worst source / probe as grouped bars (the points in
+    the order they ran, each named with its CE gap), the goals dashed."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("top-1 agreement of W z_hat + b with the model",
-                                                        "median margin share of the prototypes"))
-    palette = ("#4e79a7", "#e15759", "#59a14f", "#b07aa1", "#f28e2b")
-    for i, n_protos in enumerate(sorted({r["n_prototypes"] for r in rows})):
-        group = sorted((r for r in rows if r["n_prototypes"] == n_protos), key=lambda r: r["ce_gap"])
-        x = [100 * r["ce_gap"] for r in group]
-        text = [r["point"] for r in group]
-        for col, index in ((1, 0), (2, 1)):
-            fig.add_trace(go.Scatter(x=x, y=[path_goal_values(r)[index] for r in group], text=text,
-                                     mode="lines+markers+text", textposition="top center", name=f"K = {n_protos}",
-                                     line=dict(color=palette[i % len(palette)]),
-                                     legendgroup=str(n_protos), showlegend=col == 1), row=1, col=col)
-    for col, goal in ((1, PATH_GOALS["agreement"]), (2, PATH_GOALS["margin_share"])):
-        fig.add_hline(y=goal, line_dash="dash", line_color="grey", row=1, col=col)
-        fig.add_vline(x=100 * PATH_GOALS["ce_gap"], line_dash="dot", line_color="grey", row=1, col=col)
-        fig.update_xaxes(title_text="CE vs dense (%)", row=1, col=col)
-    fig.update_layout(width=1200, height=520, template="plotly_white",
-                      title="What the prototypes carry against what they cost (lowest of held-out, worst source, "
-                            "probe; dashed: goal)")
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=("top-1 agreement of W z_hat + b with the model",
+                                        "median margin share of the prototypes"))
+    names = [f"{r['point']} ({100 * r['ce_gap']:+.2f}% CE)" for r in rows]
+    measures = (("held-out", "agreement", "margin_share", "#4e79a7"),
+                ("worst source", "worst_source_agreement", "min_source_margin_share", "#f28e2b"),
+                ("probe", "probe_agreement", "probe_margin_share", "#59a14f"))
+    for label, agree, share, colour in measures:
+        for col, key in ((1, agree), (2, share)):
+            fig.add_trace(go.Bar(y=names, x=[r.get(key) for r in rows], orientation="h", name=label,
+                                 marker_color=colour, legendgroup=label, showlegend=col == 1), row=1, col=col)
+    for col, goal, keys in ((1, PATH_GOALS["agreement"], [m[1] for m in measures]),
+                            (2, PATH_GOALS["margin_share"], [m[2] for m in measures])):
+        top = max([goal, *(r[k] for r in rows for k in keys if r.get(k) is not None)])
+        fig.add_vline(x=goal, line_dash="dash", line_color="grey", row=1, col=col)
+        fig.update_xaxes(range=[min(0.0, *(r[k] for r in rows for k in keys if r.get(k) is not None)), 1.05 * top],
+                         row=1, col=col)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(width=1200, height=160 + 60 * len(rows), template="plotly_white", barmode="group",
+                      title="What the prototypes carry, held-out / worst source / probe (dashed: goal)")
     return fig
 
 
@@ -354,8 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(instead of the --r1/--r2/--top-k grid); see the module docstring")
     parser.add_argument("--per-source-tokens", type=int, default=8192,
                         help="with --point: prism.eval's path measures on this many held-out tokens a source")
-    parser.add_argument("--plot", help="with --point: write agreement and margin share against the CE gap as PNG "
-                                       "(Debian chromium)")
+    parser.add_argument("--plot", help="with --point: write each point's agreement and margin share (held-out, worst "
+                                       "source, probe) as PNG (Debian chromium)")
     parser.add_argument("--max-val-tokens", type=int, default=32768, help="held-out tokens every model is scored on")
     parser.add_argument("--batch-size", type=int, default=8, help="evaluation batch size")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,

@@ -86,9 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
     for lo in range(0, len(blocks), args.batch_size):
         ids = torch.from_numpy(blocks[lo: lo + args.batch_size].astype(np.int64))
         batches.append((ids, prism.states_before_layer(ids, start)))
+    states = []  # real final states, as prism.train seeds the bank: as many batches as K needs (twice K tokens)
     with torch.no_grad():
-        z, _ = prism.final_states(batches[0][0], start_layer=start, start_states=batches[0][1])
-    init_prototypes(prism, z.reshape(-1, z.shape[-1]), seed=0)  # from real states, as prism.train does
+        for ids, before in batches:
+            z, _ = prism.final_states(ids, start_layer=start, start_states=before)
+            states.append(z.reshape(-1, z.shape[-1]))
+            if sum(len(s) for s in states) >= 2 * args.n_prototypes:
+                break
+    with cli.expected_errors(parser, ValueError):  # more prototypes than the timed batches have distinct states
+        init_prototypes(prism, torch.cat(states), seed=0)
 
     models = {"prism": prism, "dense": dense}
     if args.autocast_compare:

@@ -32,6 +32,12 @@ def test_train_throughput_bench_times_both_models_on_the_same_steps(tmp_path, ca
     assert (with_path["lambda_path_kl"], with_path["lambda_head_rec"], with_path["lambda_path_ce"]) == (1.0, 0.5, 0.0)
     with pytest.raises(SystemExit):
         bench.main(["--corpus", "x", "--lambda-path-kl", "-1"])
+    common = ["--backbone", str(tmp_path / "bb"), "--corpus", str(tmp_path / "c" / "corpus.jsonl"), "--n-layers", "1",
+              "--top-k", "4", "--seq-len", "32", "--batch-size", "2", "--repeats", "3"]
+    wide = bench.main([*common, "--n-prototypes", "100"])  # more prototypes than one batch has tokens (64)
+    assert wide["n_prototypes"] == 100 and wide["prism_s_per_step"] > 0
+    with pytest.raises(SystemExit):  # more than all five batches hold (320 tokens): a message, not a traceback
+        bench.main([*common, "--n-prototypes", "1000"])
 
 
 def test_train_throughput_bench_compares_autocast_on_the_same_steps(tmp_path):
