@@ -247,6 +247,36 @@ def path_table(rows: list[dict], chosen: dict | None) -> str:
 
 
 def path_figure(rows: list[dict]):
+    """Agreement and margin share (the lowest of overall, worst source and probe) against the CE gap, one curve
+    per bank size K."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("top-1 agreement of W z_hat + b with the model",
+                                                        "median margin share of the prototypes"))
+    palette = ("#4e79a7", "#e15759", "#59a14f", "#b07aa1", "#f28e2b")
+    for i, n_protos in enumerate(sorted({r["n_prototypes"] for r in rows})):
+        group = sorted((r for r in rows if r["n_prototypes"] == n_protos), key=lambda r: r["ce_gap"])
+        x = [100 * r["ce_gap"] for r in group]
+        text = [r["point"] for r in group]
+        for col, index in ((1, 0), (2, 1)):
+            fig.add_trace(go.Scatter(x=x, y=[path_goal_values(r)[index] for r in group], text=text,
+                                     mode="lines+markers+text", name=f"K = {n_protos}",
+                                     textposition=[("top center", "bottom center")[j % 2] for j in range(len(group))],
+                                     textfont=dict(size=10),
+                                     line=dict(color=palette[i % len(palette)]),
+                                     legendgroup=str(n_protos), showlegend=col == 1), row=1, col=col)
+    for col, goal in ((1, PATH_GOALS["agreement"]), (2, PATH_GOALS["margin_share"])):
+        fig.add_hline(y=goal, line_dash="dash", line_color="grey", row=1, col=col)
+        fig.add_vline(x=100 * PATH_GOALS["ce_gap"], line_dash="dot", line_color="grey", row=1, col=col)
+        fig.update_xaxes(title_text="CE vs dense (%)", row=1, col=col)
+    fig.update_layout(width=1200, height=520, template="plotly_white",
+                      title="What the prototypes carry against what they cost (lowest of held-out, worst source, "
+                            "probe; dashed: goal)")
+    return fig
+
+
+def path_bars(rows: list[dict]):
     """Agreement and margin share of each point, held-out / worst source / probe as grouped bars (the points in
     the order they ran, each named with its CE gap), the goals dashed."""
     import plotly.graph_objects as go
@@ -305,7 +335,9 @@ def run_points(args: argparse.Namespace, train_args: list[str]) -> dict:
     if args.plot:
         from bench.attribution_scaling import write_png
 
-        write_png(path_figure(rows), Path(args.plot))
+        plot = Path(args.plot)
+        write_png(path_figure(rows), plot)
+        write_png(path_bars(rows), plot.with_name(plot.stem + "_points" + plot.suffix))
     return {"points": len(rows), "dense": {k: v["ce"] for k, v in dense_runs.items()},
             "chosen": chosen and chosen["point"], "goals_met": met, "goals": PATH_GOALS}
 
@@ -355,8 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(instead of the --r1/--r2/--top-k grid); see the module docstring")
     parser.add_argument("--per-source-tokens", type=int, default=8192,
                         help="with --point: prism.eval's path measures on this many held-out tokens a source")
-    parser.add_argument("--plot", help="with --point: write each point's agreement and margin share (held-out, worst "
-                                       "source, probe) as PNG (Debian chromium)")
+    parser.add_argument("--plot", help="with --point: write agreement and margin share against the CE gap, one curve "
+                                       "per bank size, as PNG, and each point's held-out / worst source / probe "
+                                       "values beside it as NAME_points.png (Debian chromium)")
     parser.add_argument("--max-val-tokens", type=int, default=32768, help="held-out tokens every model is scored on")
     parser.add_argument("--batch-size", type=int, default=8, help="evaluation batch size")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,

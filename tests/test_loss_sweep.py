@@ -136,8 +136,8 @@ def test_point_arguments_are_checked(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-def test_the_plot_shows_each_measure_of_each_point_in_one_colour_in_both_panels():
-    from bench.loss_sweep import path_figure
+def test_the_bars_show_each_measure_of_each_point_in_one_colour_in_both_panels():
+    from bench.loss_sweep import path_bars
 
     def r(name, gap, agree):
         return {"point": name, "n_prototypes": 1024, "ce_gap": gap, "agreement": agree,
@@ -145,7 +145,7 @@ def test_the_plot_shows_each_measure_of_each_point_in_one_colour_in_both_panels(
                 "min_source_margin_share": 0.5, "probe_margin_share": None}
 
     rows = [r("a", 0.01, 0.3), r("b", 0.005, 0.4)]
-    fig = path_figure(rows)
+    fig = path_bars(rows)
     bars = [t for t in fig.data if t.type == "bar"]
     assert [t.name for t in bars] == ["held-out", "held-out", "worst source", "worst source", "probe", "probe"]
     assert bars[0].marker.color == bars[1].marker.color != bars[2].marker.color
@@ -153,3 +153,22 @@ def test_the_plot_shows_each_measure_of_each_point_in_one_colour_in_both_panels(
     assert list(bars[0].x) == [0.3, 0.4] and list(bars[1].x) == [0.7, 0.7]
     assert list(bars[4].x) == pytest.approx([0.1, 0.2])
     assert list(bars[5].x) == [None, None]  # a point without a probe shows no bar, not zero
+
+
+def test_the_plot_has_one_curve_per_bank_size_in_both_panels_with_one_colour():
+    from bench.loss_sweep import path_figure, path_goal_values
+
+    def r(name, k, gap, agree):
+        return {"point": name, "n_prototypes": k, "ce_gap": gap, "agreement": agree,
+                "worst_source_agreement": agree - 0.1, "probe_agreement": agree - 0.2, "margin_share": 0.7,
+                "min_source_margin_share": 0.5,
+                "probe_margin_share": 0.4}
+
+    rows = [r("a", 1024, 0.01, 0.3), r("b", 1024, 0.005, 0.4), r("c", 4096, 0.009, 0.5)]
+    fig = path_figure(rows)
+    traces = [t for t in fig.data if t.name]
+    assert [t.name for t in traces] == ["K = 1024", "K = 1024", "K = 4096", "K = 4096"]
+    assert traces[0].line.color == traces[1].line.color != traces[2].line.color == traces[3].line.color
+    assert list(traces[0].x) == [0.5, 1.0]  # sorted by CE gap, in percent
+    assert list(traces[0].y) == [path_goal_values(rows[1])[0], path_goal_values(rows[0])[0]]
+    assert list(traces[0].y) == pytest.approx([0.2, 0.1])  # the lowest of overall, worst source and probe
