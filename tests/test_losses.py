@@ -36,6 +36,17 @@ def test_ce_matches_a_loop_over_positions():
                 row = logits[b, t]
                 terms.append(-(float(row[y]) - math.log(float(row.exp().sum()))))
     assert float(ce_loss(logits, labels)) == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    # its gradient: (softmax - one-hot) / n at each counted position, zero at the last and at ignored targets
+    logits.requires_grad_(True)
+    ce_loss(logits, labels).backward()
+    expected = torch.zeros_like(logits)
+    for b in range(2):
+        for t in range(4):
+            y = int(labels[b, t + 1])
+            if y != IGNORE_INDEX:
+                expected[b, t] = logits[b, t].detach().softmax(-1)
+                expected[b, t, y] -= 1
+    assert torch.allclose(logits.grad, expected / len(terms), atol=1e-6)
 
 
 def test_rec_r1_r2_match_loops():
