@@ -11,14 +11,21 @@ step of each, tokens/s, and the ratio PRISM/dense of tokens/s (the paper: 97.3% 
 With --autocast-compare, bfloat16 copies of both models (prism.train --autocast bfloat16: products in bfloat16,
 weights and losses in float32) take steps in the same rotation, and the lower layers' forward that fills the
 hidden-state cache is timed both ways too; the line gains the speed-up of each (float32 time / bfloat16 time).
+
+Training keeps freed memory in the process (prism/memory.py) and so does this benchmark, so it measures what
+prism.train does; --release-freed-memory measures glibc's default instead. Every result records the machine it ran
+on (CPU model, vector extensions, torch's kernel level and threads, native bfloat16, the allocator): ratios from
+different machines are different rows, never one number.
 """
 
 from __future__ import annotations
 
 import copy
+import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,7 +33,27 @@ import torch
 from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import pack, tokenize_split
-from prism.train import TrainArgs, TrainModule, _set_trainable, autocast, init_prototypes
+from prism.memory import allocator, keep_freed_memory
+from prism.train import TrainArgs, TrainModule, _set_trainable, autocast, init_prototypes, native_bfloat16
+
+# the vector extensions that decide which CPU kernels run (matrix products, bfloat16)
+EXTENSIONS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
+              "avx_vnni", "asimd", "sve", "bf16")
+
+
+def machine() -> dict:
+    """What a throughput number depends on: the CPU, its vector extensions, torch's kernel level and threads,
+    whether bfloat16 is native, and the allocator."""
+    info: dict[str, str] = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text(errors="replace").splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())  # the first processor's
+    cpu = info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return {"cpu": cpu, "arch": platform.machine(), "extensions": [e for e in EXTENSIONS if e in flags],
+            "torch_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "native_bfloat16": native_bfloat16(), "allocator": allocator(), "torch": torch.__version__}
 
 
 def profile_steps(module, optimizer, batches, top: int) -> list[dict]:
@@ -66,12 +93,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--autocast-compare", action="store_true",
                         help="also time bfloat16 mixed precision (--autocast bfloat16) against float32: PRISM and "
                              "dense steps, and the lower layers' forward that fills the cache")
+    parser.add_argument("--release-freed-memory", action="store_true",
+                        help="leave glibc returning large freed buffers to the kernel (prism.train's flag of the "
+                             "same name): measures the allocator's default instead of what training does")
     args = cli.parse(parser, argv)
     path_terms = {name: getattr(args, name) for name in ("lambda_path_ce", "lambda_path_kl", "lambda_head_rec")}
     with cli.expected_errors(parser, ValueError):  # bad sizes or weights, before anything loads
         PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, **path_terms)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.release_freed_memory:
+        keep_freed_memory()
 
     tokenizer = load_tokenizer(args.backbone)
     n_blocks = args.batch_size * (args.repeats + 2)
@@ -123,11 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile:
         profiles = {name: profile_steps(modules[name], optimizers[name], batches[:2], args.profile)
                     for name in ("dense", "prism", "dense", "prism")}  # twice, alternating: the second counts
+        if args.autocast_compare:
+            profiles.update({name: profile_steps(modules[name], optimizers[name], batches[:2], args.profile)
+                             for name in ("dense_bf16", "prism_bf16", "dense_bf16", "prism_bf16")})
     tokens = args.batch_size * args.seq_len
     med = {name: statistics.median(t) for name, t in times.items()}
     result = {
         "backbone": args.backbone, "n_layers": args.n_layers, "n_prototypes": args.n_prototypes,
         "top_k": args.top_k, **path_terms, "tokens_per_step": tokens, "repeats": args.repeats,
+        "machine": machine(), "precision": "float32",
         "prism_s_per_step": med["prism"], "dense_s_per_step": med["dense"],
         "prism_tokens_per_s": tokens / med["prism"], "dense_tokens_per_s": tokens / med["dense"],
         "throughput_ratio": med["dense"] / med["prism"],

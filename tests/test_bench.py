@@ -6,7 +6,10 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import tiny_backbone_dir, write_corpus
+
+from prism import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +29,10 @@ def test_train_throughput_bench_times_both_models_on_the_same_steps(tmp_path, ca
     assert result["prism_s_per_step"] > 0 and result["dense_s_per_step"] > 0
     assert result["throughput_ratio"] == result["dense_s_per_step"] / result["prism_s_per_step"]
     assert '"throughput_ratio"' in capsys.readouterr().out
+    m = result["machine"]  # what the ratio depends on, recorded with it
+    assert m["cpu"] and m["threads"] == torch.get_num_threads() and set(m["extensions"]) <= set(bench.EXTENSIONS)
+    assert m["torch_capability"] == torch.backends.cpu.get_cpu_capability() and result["precision"] == "float32"
+    assert m["allocator"] == memory.allocator()
     with_path = bench.main(["--backbone", str(tmp_path / "bb"), "--corpus", str(tmp_path / "c" / "corpus.jsonl"),
                             "--n-layers", "1", "--n-prototypes", "16", "--top-k", "4", "--seq-len", "32",
                             "--batch-size", "2", "--repeats", "2", "--lambda-path-kl", "1", "--lambda-head-rec", "0.5"])
@@ -45,7 +52,10 @@ def test_train_throughput_bench_compares_autocast_on_the_same_steps(tmp_path):
     result = bench.main(["--backbone", str(tiny_backbone_dir(tmp_path / "bb")), "--corpus",
                          str(write_corpus(tmp_path / "c")), "--n-layers", "1", "--n-prototypes", "16",
                          "--top-k", "4", "--seq-len", "32", "--batch-size", "2", "--repeats", "3",
-                         "--autocast-compare"])
+                         "--autocast-compare", "--profile", "3", "--release-freed-memory"])
+    assert set(result["profile"]) == {"prism", "dense", "prism_bf16", "dense_bf16"}  # both precisions profiled
+    assert all(len(rows) == 3 and rows[0]["self_ms_per_step"] >= rows[-1]["self_ms_per_step"]
+               for rows in result["profile"].values())
     ac = result["autocast"]
     assert ac["prism_speedup"] == result["prism_s_per_step"] / ac["prism_bf16_s_per_step"]
     assert ac["dense_speedup"] == result["dense_s_per_step"] / ac["dense_bf16_s_per_step"]
