@@ -63,6 +63,104 @@ def path_kl_loss(logits: torch.Tensor, path_logits: torch.Tensor, mask: torch.Te
     return _masked_mean(kl, mask)
 
 
+def path_terms(z_hat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits: torch.Tensor,
+               labels: torch.Tensor, *, ce: bool = True, kl: bool = True, matmul_dtype: torch.dtype | None = None,
+               chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """L_PATH_CE and L_PATH_KL of the path's logits z_hat @ W^T + b, without ever holding them.
+
+    The same values and gradients as ce_loss(path_logits, labels) and path_kl_loss(logits, path_logits, labels !=
+    IGNORE_INDEX) with path_logits = F.linear(z_hat, weight, bias), but computed chunk tokens at a time, each
+    gradient formed in the forward ((softmax(path) - one-hot) / n for the CE, (softmax(path) - softmax(logits)) / n
+    for the KL) and carried back through the head at once. The (tokens x vocabulary) path logits, their
+    log-softmax and every gradient of that size never exist whole: on a CPU those passes over 400 MB buffers, not
+    the products, were what made the KL term cost 2.5x a dense step (docs/RESULTS.md, training throughput).
+
+    z_hat (B, T, d) or (N, d); weight (V, d) and bias (V,) the LM head's; logits (..., V) the full model's (a fixed
+    target: no gradient reaches them); labels aligned with the inputs as in ce_loss. matmul_dtype: the dtype the
+    two products run in (bfloat16 under autocast), the softmaxes are float32 whatever it is. Returns (path_ce,
+    path_kl, agreement), a term that is off (ce / kl False) as 0, agreement the share of all positions where the
+    path's top-1 token is the model's (no gradient). The gradient is formed only where one is needed."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    shape = labels.shape
+    targets = F.pad(labels.reshape(-1, shape[-1])[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # the next token
+    kl_mask = labels.reshape(-1) != IGNORE_INDEX
+    return _PathTerms.apply(z_hat.reshape(-1, z_hat.shape[-1]), weight, bias,
+                            logits.detach().reshape(-1, logits.shape[-1]), targets, kl_mask, ce, kl,
+                            matmul_dtype, chunk)
+
+
+class _PathTerms(torch.autograd.Function):
+    """path_terms' work: see there. The gradients are formed in the forward, so the backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, z_hat, weight, bias, logits, targets, kl_mask, want_ce, want_kl, matmul_dtype, chunk):
+        n, d = z_hat.shape
+        dtype = matmul_dtype or weight.dtype
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        need = {"z": ctx.needs_input_grad[0], "w": ctx.needs_input_grad[1],
+                "b": bias is not None and ctx.needs_input_grad[2]}
+        terms = [t for t, on in (("ce", want_ce), ("kl", want_kl)) if on]
+        counts = {"ce": (targets != IGNORE_INDEX).sum().clamp_min(1).double(), "kl": kl_mask.sum().clamp_min(1).double()}
+        sums = {t: torch.zeros((), dtype=torch.float64) for t in terms}
+        grads = {t: {"z": torch.zeros(n, d, dtype=torch.float32) if need["z"] else None,
+                     "w": torch.zeros_like(weight, dtype=torch.float32) if need["w"] else None,
+                     "b": torch.zeros_like(bias, dtype=torch.float32) if need["b"] else None} for t in terms}
+        agree = torch.zeros((), dtype=torch.float64)
+        for start in range(0, n, chunk):
+            part = slice(start, min(n, start + chunk))
+            zc, lc = z_hat[part].to(dtype), logits[part]
+            logq = F.linear(zc, w, b).float()  # (c, V) the path's logits, in place its log-probabilities below
+            agree += (logq.argmax(-1) == lc.argmax(-1)).sum()
+            logq -= torch.logsumexp(logq, -1, keepdim=True)
+            rows = torch.zeros(0, dtype=torch.long)
+            if want_ce:
+                rows = (targets[part] != IGNORE_INDEX).nonzero().squeeze(1)  # (m,)
+                sums["ce"] -= logq[rows, targets[part][rows]].sum(dtype=torch.float64)
+            if want_kl:
+                logp = lc.to(torch.float32, copy=True)  # (c, V) the model's log-probabilities
+                logp -= torch.logsumexp(logp, -1, keepdim=True)
+                p = logp.exp()
+                sums["kl"] += torch.linalg.vecdot(p, logp.sub_(logq))[kl_mask[part]].sum(dtype=torch.float64)
+                del logp
+            if not any(need.values()):
+                continue
+            q = logq.exp_()  # (c, V) the path's probabilities
+            for t in terms:
+                if t == "ce":
+                    keep = torch.zeros(q.shape[0], dtype=torch.float32)
+                    keep[rows] = 1.0
+                    g = q * (keep / float(counts["ce"])).unsqueeze(1)
+                    g[rows, targets[part][rows]] -= 1.0 / float(counts["ce"])
+                else:
+                    g = (q - p).mul_((kl_mask[part].float() / float(counts["kl"])).unsqueeze(1))
+                if need["b"]:
+                    grads[t]["b"] += g.sum(0)
+                g = g.to(dtype)
+                if need["z"]:
+                    grads[t]["z"][part] = (g @ w).float()
+                if need["w"]:
+                    grads[t]["w"] += (g.T @ zc).float()
+        ctx.grads, ctx.dtypes = grads, (z_hat.dtype, weight.dtype, None if bias is None else bias.dtype)
+        values = [(sums[t] / counts[t]).float() if t in terms else torch.zeros(()) for t in ("ce", "kl")]
+        share = (agree / max(n, 1)).float()
+        ctx.mark_non_differentiable(share)
+        return values[0], values[1], share
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_kl, _grad_share):
+        out = []
+        for key, dtype in zip(("z", "w", "b"), ctx.dtypes):
+            total = None
+            for t, scale in (("ce", grad_ce), ("kl", grad_kl)):
+                part = ctx.grads.get(t, {}).get(key)
+                if part is not None:
+                    total = part * scale if total is None else total + part * scale
+            out.append(None if total is None else total.to(dtype))
+        return (*out, None, None, None, None, None, None, None)
+
+
 def head_gram(weight: torch.Tensor) -> torch.Tensor:
     """W_c^T W_c (d, d) for the LM head's weight (V, d), W_c = W minus its mean row: ||W_c x||^2 = x^T G x is how
     much x moves the logits apart from each other."""
@@ -90,6 +188,8 @@ def prism_loss(
     lambda_r2: float,
     *,
     path_logits: torch.Tensor | None = None,
+    path_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    path_dtype: torch.dtype | None = None,
     lambda_path_ce: float = 0.0,
     lambda_path_kl: float = 0.0,
     gram: torch.Tensor | None = None,
@@ -97,8 +197,11 @@ def prism_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted sum and its terms. Tokens whose label is IGNORE_INDEX (padding) are left out of every term.
 
-    path_logits (B, T, V) = lm_head(z_hat) is needed when lambda_path_ce or lambda_path_kl > 0, gram (d, d) =
-    head_gram(W) when lambda_head_rec > 0; a term whose weight is 0 is neither computed nor reported."""
+    The path terms (lambda_path_ce or lambda_path_kl > 0) need either path_head = (W, b), the LM head's weight
+    and bias, computed chunk by chunk with path_terms (products in path_dtype, training's way), or path_logits
+    (B, T, V) = lm_head(z_hat) whole (the reference); gram (d, d) = head_gram(W) is needed when lambda_head_rec > 0.
+    A term whose weight is 0 is neither computed nor reported; with path_head, losses["path_agreement"] is the share
+    of positions where the path's top-1 token is the model's (no gradient)."""
     mask = labels != IGNORE_INDEX  # (B, T)
     losses = {
         "ce": ce_loss(logits, labels),
@@ -107,14 +210,23 @@ def prism_loss(
         "r2": r2_loss(sims, mask),
     }
     total = losses["ce"] + lambda_rec * losses["rec"] + lambda_r1 * losses["r1"] + lambda_r2 * losses["r2"]
-    if (lambda_path_ce or lambda_path_kl) and path_logits is None:
-        raise ValueError("lambda_path_ce / lambda_path_kl > 0 need path_logits = lm_head(z_hat)")
+    if (lambda_path_ce or lambda_path_kl) and path_logits is None and path_head is None:
+        raise ValueError("lambda_path_ce / lambda_path_kl > 0 need path_head = (lm_head.weight, lm_head.bias) "
+                         "or path_logits = lm_head(z_hat)")
     if lambda_head_rec and gram is None:
         raise ValueError("lambda_head_rec > 0 needs gram = head_gram(lm_head.weight)")
-    if lambda_path_ce:
+    if (lambda_path_ce or lambda_path_kl) and path_logits is None:
+        path_ce, path_kl, losses["path_agreement"] = path_terms(
+            z_hat, path_head[0], path_head[1], logits, labels, ce=bool(lambda_path_ce), kl=bool(lambda_path_kl),
+            matmul_dtype=path_dtype)
+        for name, value, weight in (("path_ce", path_ce, lambda_path_ce), ("path_kl", path_kl, lambda_path_kl)):
+            if weight:
+                losses[name] = value
+                total = total + weight * value
+    elif lambda_path_ce:
         losses["path_ce"] = ce_loss(path_logits, labels)
         total = total + lambda_path_ce * losses["path_ce"]
-    if lambda_path_kl:
+    if lambda_path_kl and path_logits is not None:
         losses["path_kl"] = path_kl_loss(logits, path_logits, mask)
         total = total + lambda_path_kl * losses["path_kl"]
     if lambda_head_rec:

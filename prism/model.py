@@ -646,18 +646,20 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         return out
 
     def objective(self, out: PrismOutput, labels: torch.Tensor, path_logits: torch.Tensor | None = None,
-                  gram: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  gram: torch.Tensor | None = None, path_dtype: torch.dtype | None = None,
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """prism_loss of a head output (computed with return_sims=True) with this config's weights, in float32.
-        path_logits = lm_head(z_hat) and gram = head_gram(W) are computed here when a weight needs them and they
-        are not given (training passes them: the first under autocast, the second once for a frozen head)."""
+        The path terms run chunk by chunk through the LM head (losses.path_terms, its products in path_dtype:
+        training passes bfloat16 under autocast) unless path_logits = lm_head(z_hat) are given whole; gram =
+        head_gram(W) is computed here when its weight needs it and it is not given (training computes it once for
+        a frozen head)."""
         cfg = self.config
-        if (cfg.lambda_path_ce or cfg.lambda_path_kl) and path_logits is None:
-            path_logits = self.lm_head(out.z_hat)  # (B, T, V)
         if cfg.lambda_head_rec and gram is None:
             gram = head_gram(self.lm_head.weight)  # (d, d)
         return prism_loss(out.logits.float(), labels, out.z.float(), out.z_hat.float(), out.sims.float(),
                           cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2,
                           path_logits=None if path_logits is None else path_logits.float(),
+                          path_head=(self.lm_head.weight, self.lm_head.bias), path_dtype=path_dtype,
                           lambda_path_ce=cfg.lambda_path_ce, lambda_path_kl=cfg.lambda_path_kl,
                           gram=gram, lambda_head_rec=cfg.lambda_head_rec)
 

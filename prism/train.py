@@ -333,16 +333,15 @@ class TrainModule(nn.Module):
                 logits = model.lm_head(z)  # (B, T, V)
             else:
                 out = model.head(z, return_sims=True)
-                cfg = model.config
-                path_logits = model.lm_head(out.z_hat) if cfg.lambda_path_ce or cfg.lambda_path_kl else None
+            # the path terms' two products through the LM head run in the products' dtype
+            path_dtype = torch.get_autocast_dtype(z.device.type) if torch.is_autocast_enabled(z.device.type) else None
         # the losses in float32 whatever the products ran in
         if args.dense_baseline:
             ce = ce_loss(logits.float(), ids)
             return ce, {"ce": ce}, None
-        loss, losses = model.objective(out, ids, path_logits=path_logits, gram=self._gram())
-        if path_logits is not None:  # how often the prototype path alone picks the model's token (prism.explain)
-            with torch.no_grad():
-                self.path_agreement = float((path_logits.argmax(-1) == out.logits.argmax(-1)).float().mean())
+        loss, losses = model.objective(out, ids, gram=self._gram(), path_dtype=path_dtype)
+        if "path_agreement" in losses:  # how often the prototype path alone picks the model's token (prism.explain)
+            self.path_agreement = float(losses.pop("path_agreement"))
         return loss, losses, out
 
     def _gram(self) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from prism.losses import (
     head_gram,
     head_rec_loss,
     path_kl_loss,
+    path_terms,
     prism_loss,
     r1_loss,
     r2_loss,
@@ -163,3 +164,66 @@ def test_prism_loss_adds_the_path_terms_only_when_weighted_and_asks_for_their_in
         prism_loss(logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3, lambda_path_kl=1.0)
     with pytest.raises(ValueError, match="gram"):
         prism_loss(logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3, lambda_head_rec=1.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_path_terms_chunk_by_chunk_equal_the_whole_path_logits_values_and_gradients(chunk):
+    g = torch.Generator().manual_seed(11)
+    z_hat = torch.randn(2, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(13, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(13, dtype=torch.float64, generator=g, requires_grad=True)
+    logits = torch.randn(2, 5, 13, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 13, (2, 5), generator=g)
+    labels[0, 2] = labels[1, 4] = IGNORE_INDEX  # a padded input and a padded last target
+    for ce, kl in ((True, False), (False, True), (True, True)):
+        for x in (z_hat, weight, bias):
+            x.grad = None
+        path_ce, path_kl, share = path_terms(z_hat, weight, bias, logits, labels, ce=ce, kl=kl, chunk=chunk)
+        (0.7 * path_ce + 1.9 * path_kl).backward()
+        fused = [x.grad.clone() for x in (z_hat, weight, bias)]
+        for x in (z_hat, weight, bias):
+            x.grad = None
+        path = torch.nn.functional.linear(z_hat, weight, bias)  # (2, 5, 13) whole: the reference
+        ref_ce, ref_kl = ce_loss(path, labels), path_kl_loss(logits, path, labels != IGNORE_INDEX)
+        (0.7 * ref_ce * ce + 1.9 * ref_kl * kl).backward()
+        if ce:
+            assert float(path_ce.detach()) == pytest.approx(float(ref_ce.detach()), rel=1e-6)
+        if kl:
+            assert float(path_kl.detach()) == pytest.approx(float(ref_kl.detach()), rel=1e-6)
+        for mine, ref in zip(fused, (z_hat.grad, weight.grad, bias.grad)):
+            assert torch.allclose(mine, ref, atol=1e-6)
+        assert float(share) == pytest.approx(float((path.argmax(-1) == logits.argmax(-1)).double().mean()))
+
+
+def test_path_terms_form_no_gradient_where_none_is_asked_and_products_follow_matmul_dtype():
+    g = torch.Generator().manual_seed(12)
+    z_hat = torch.randn(3, 8, generator=g, requires_grad=True)
+    weight, logits = torch.randn(50, 8, generator=g), torch.randn(1, 3, 50, generator=g)
+    labels = torch.randint(0, 50, (1, 3), generator=g)
+    path_ce, path_kl, _ = path_terms(z_hat, weight, None, logits, labels)
+    path_kl.backward()
+    assert weight.grad is None and z_hat.grad is not None
+    low, _, _ = path_terms(z_hat, weight, None, logits, labels, kl=False, matmul_dtype=torch.bfloat16)
+    bf16 = ce_loss(torch.nn.functional.linear(z_hat.bfloat16(), weight.bfloat16()).float().unsqueeze(0), labels)
+    assert float(low.detach()) == pytest.approx(float(bf16.detach()), rel=1e-5)  # the products in bfloat16, the softmax in float32
+    assert float(low.detach()) != float(path_ce.detach())
+    with pytest.raises(ValueError, match="chunk"):
+        path_terms(z_hat, weight, None, logits, labels, chunk=0)
+
+
+def test_prism_loss_with_the_head_equals_prism_loss_with_whole_path_logits():
+    g = torch.Generator().manual_seed(13)
+    w, b = torch.randn(9, 3, generator=g), torch.randn(9, generator=g)
+    z, sims = torch.randn(1, 4, 3, generator=g), torch.rand(1, 4, 6)
+    z_hat = torch.randn(1, 4, 3, generator=g, requires_grad=True)
+    logits, labels = z @ w.T, torch.randint(0, 9, (1, 4), generator=g)
+    args = (logits, labels, z, z_hat, sims, 0.5, 0.2, 0.3)
+    total, terms = prism_loss(*args, path_head=(w, b), lambda_path_ce=0.7, lambda_path_kl=1.5)
+    total.backward()
+    grad, z_hat.grad = z_hat.grad.clone(), None
+    ref, ref_terms = prism_loss(*args, path_logits=z_hat @ w.T + b, lambda_path_ce=0.7, lambda_path_kl=1.5)
+    ref.backward()
+    assert float(total.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+    assert {k: pytest.approx(float(v), rel=1e-6) for k, v in ref_terms.items()} == \
+        {k: float(v.detach()) for k, v in terms.items() if k != "path_agreement"}
+    assert torch.allclose(grad, z_hat.grad, atol=1e-6)
