@@ -102,7 +102,8 @@ class _PathTerms(torch.autograd.Function):
         need = {"z": ctx.needs_input_grad[0], "w": ctx.needs_input_grad[1],
                 "b": bias is not None and ctx.needs_input_grad[2]}
         terms = [t for t, on in (("ce", want_ce), ("kl", want_kl)) if on]
-        counts = {"ce": (targets != IGNORE_INDEX).sum().clamp_min(1).double(), "kl": kl_mask.sum().clamp_min(1).double()}
+        counts = {"ce": (targets != IGNORE_INDEX).sum().clamp_min(1).double(),
+                  "kl": kl_mask.sum().clamp_min(1).double()}
         sums = {t: torch.zeros((), dtype=torch.float64) for t in terms}
         grads = {t: {"z": torch.zeros(n, d, dtype=torch.float32) if need["z"] else None,
                      "w": torch.zeros_like(weight, dtype=torch.float32) if need["w"] else None,

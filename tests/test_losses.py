@@ -205,7 +205,8 @@ def test_path_terms_form_no_gradient_where_none_is_asked_and_products_follow_mat
     assert weight.grad is None and z_hat.grad is not None
     low, _, _ = path_terms(z_hat, weight, None, logits, labels, kl=False, matmul_dtype=torch.bfloat16)
     bf16 = ce_loss(torch.nn.functional.linear(z_hat.bfloat16(), weight.bfloat16()).float().unsqueeze(0), labels)
-    assert float(low.detach()) == pytest.approx(float(bf16.detach()), rel=1e-5)  # the products in bfloat16, the softmax in float32
+    # the products in bfloat16, the softmax in float32
+    assert float(low.detach()) == pytest.approx(float(bf16.detach()), rel=1e-5)
     assert float(low.detach()) != float(path_ce.detach())
     with pytest.raises(ValueError, match="chunk"):
         path_terms(z_hat, weight, None, logits, labels, chunk=0)
