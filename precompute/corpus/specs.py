@@ -4,9 +4,9 @@
     parse_spec("HuggingFaceFW/fineweb:sample-10BT")  # CorpusSpec('hub', 'HuggingFaceFW/fineweb', 'sample-10BT')
     for doc in iter_documents("data/fineweb/", limit=100): ...
 
-A spec is 'default' or 'default-v2' (the offline corpora, default.py), a local .txt/.jsonl/.parquet file, folder
-or glob (read by prism/data.py, the reader training uses, so evidence points at the documents a model trained on) or
-a hub dataset id with an optional config (hub.py). A local path of the same name wins over a hub id.
+A spec is 'default', 'default-v2' or 'default-v3' (the offline corpora, default.py), a local .txt/.jsonl/.parquet
+file, folder or glob (read by prism/data.py, the reader training uses, so evidence points at the documents a model
+trained on) or a hub dataset id with an optional config (hub.py). A local path of the same name wins over a hub id.
 """
 
 from __future__ import annotations

@@ -75,9 +75,23 @@ def format_stats(stats: dict[str, Any]) -> str:
     def num(v: int | None) -> str:
         return "-" if v is None else f"{v:,}"
 
+    by = "tokens" if stats.get("tokens") else "characters"  # each source's share of the tokens, else of the text
+    whole = max(1, stats.get(by) or 0)
     lines = [f"corpus: {stats['spec']}" + (f"  (tokenizer: {stats['tokenizer']})" if stats.get("tokenizer") else ""),
-             f"{'source':<10}{'documents':>12}{'characters':>16}{'tokens':>14}"]
+             f"{'source':<10}{'documents':>12}{'characters':>16}{'tokens':>14}{'share':>8}  kind"]
     for source, row in stats["sources"].items():
-        lines.append(f"{source:<10}{num(row['documents']):>12}{num(row['characters']):>16}{num(row['tokens']):>14}")
-    lines.append(f"{'total':<10}{num(stats['documents']):>12}{num(stats['characters']):>16}{num(stats['tokens']):>14}")
+        share = f"{100 * (row.get(by) or 0) / whole:.1f}%"
+        lines.append(f"{source:<10}{num(row['documents']):>12}{num(row['characters']):>16}{num(row['tokens']):>14}"
+                     f"{share:>8}  {row.get('kind', '')}".rstrip())
+    lines.append(f"{'total':<10}{num(stats['documents']):>12}{num(stats['characters']):>16}{num(stats['tokens']):>14}"
+                 f"{'100%':>8}")
+    left_out = {s: {k: v for k, v in r.items() if k.startswith("left_out") and v} for s, r in stats["sources"].items()}
+    for source, counts in left_out.items():
+        if counts:
+            lines.append(f"{source}: left out " + ", ".join(f"{v:,} {k.removeprefix('left_out_').replace('_', ' ')}"
+                                                            for k, v in counts.items()))
+    licences = [(s, r["licence"]) for s, r in stats["sources"].items() if r.get("licence")]
+    if licences:
+        lines.append("licences:")
+        lines.extend(f"  {s}: {licence}" for s, licence in licences)
     return "\n".join(lines)
