@@ -63,6 +63,16 @@ def train_argv(args: argparse.Namespace, out: Path) -> list[str]:
             "--checkpoint-every", "50", "--autocast", args.autocast]
 
 
+def prism_only_argv(args: argparse.Namespace) -> list[str]:
+    """prism.train's arguments for the PRISM run alone: the baseline has no bank to start or path to train."""
+    out = []
+    for flag, value in (("--init-balance", args.init_balance), ("--lambda-path-kl", args.lambda_path_kl),
+                        ("--lambda-path-ce", args.lambda_path_ce)):
+        if value:
+            out += [flag, str(value)]
+    return out
+
+
 def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     """Every stage's commands (argv lists, run with this Python)."""
     out = Path(args.out)
@@ -77,8 +87,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[list[str]]]:
     corpus.append(py + ["precompute.corpus", "export", args.corpus, str(out / "corpus.jsonl")])
     return {
         "corpus": corpus,
-        "prism": [py + ["prism.train", *train_argv(args, out), *(["--init-balance", str(args.init_balance)]
-                                                                  if args.init_balance else []),
+        "prism": [py + ["prism.train", *train_argv(args, out), *prism_only_argv(args),
                         "--out", str(out / "prism")]],  # the baseline has no bank to initialise
         "dense": [py + ["prism.train", *train_argv(args, out), "--dense-baseline", "--out", str(out / "dense")]],
         "eval": [py + ["prism.eval", "--checkpoint", str(prism), "--dense", str(dense), "--max-val-tokens",
@@ -223,6 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
     model.add_argument("--init-balance", type=float, default=0.0,
                        help="prism.train --init-balance for the PRISM run: draw the bank's initial states with "
                             "probability (token count)^-A (default 0: uniform)")
+    model.add_argument("--lambda-path-kl", type=float, default=0.0,
+                       help="prism.train --lambda-path-kl for the PRISM run: pull the prototype path's distribution "
+                            "to the model's own (issue 35's choice: 1)")
+    model.add_argument("--lambda-path-ce", type=float, default=0.0,
+                       help="prism.train --lambda-path-ce for the PRISM run: the prototype path's own cross-entropy")
     model.add_argument("--autocast", default="auto", choices=("auto", "none", "bfloat16"),
                        help="mixed precision of both training runs; auto: bfloat16 where the CPU or GPU runs it "
                             "natively (AVX-512/AMX, CUDA), float32 elsewhere (an AVX2-only CPU emulates bfloat16 "
@@ -243,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
         cli.fail(parser, "--tokens must cover at least one batch and --max-source-share must be in (0, 1]")
     if not all(v.strip().isdigit() for v in args.controller_seeds.split(",")):
         cli.fail(parser, f"--controller-seeds must be comma-separated whole numbers, got {args.controller_seeds!r}")
+    for flag, value in (("--lambda-path-kl", args.lambda_path_kl), ("--lambda-path-ce", args.lambda_path_ce)):
+        if not (value >= 0 and math.isfinite(value)):
+            cli.fail(parser, f"{flag} must be a finite number >= 0, got {value}")
     if not 0 <= args.init_balance <= 4:
         cli.fail(parser, f"--init-balance must be in [0, 4] (prism.train's range), got {args.init_balance}")
     out = Path(args.out)

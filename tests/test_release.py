@@ -50,6 +50,16 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
         prism.replace("[prism]", "").replace(" --init-balance 0.25", "")
     with pytest.raises(SystemExit):  # refused before any stage, as prism.train would refuse it
         main(["--out", str(tmp_path / "rel"), "--dry-run", "--init-balance", "-1"])
+    # so do the path terms (issue 35's --lambda-path-kl 1): the PRISM run only, bad values refused
+    main(["--out", str(tmp_path / "rel"), "--dry-run", "--lambda-path-kl", "1", "--lambda-path-ce", "0.5"])
+    lines = capsys.readouterr().out.splitlines()
+    prism = next(line for line in lines if line.startswith("[prism]"))
+    dense = next(line for line in lines if line.startswith("[dense]"))
+    assert "--lambda-path-kl 1.0 --lambda-path-ce 0.5" in prism and "--lambda-path" not in dense
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path / "rel"), "--dry-run", "--lambda-path-kl", bad])
+    assert not (tmp_path / "rel").exists()
 
 
 @pytest.mark.parametrize("native", [True, False])
