@@ -23,6 +23,7 @@ database stores are the same on every machine with the same package versions.
 from __future__ import annotations
 
 import email
+import email.message
 import email.policy
 import json
 import re
@@ -79,9 +80,8 @@ def clean_mail_body(body: str) -> str:
     return _BLANK_RUNS.sub("\n\n", text).strip()
 
 
-def mail_body(raw: str) -> str | None:
-    """The plain-text body of a raw RFC 822 message; None when it has none (HTML only) or it cannot be decoded."""
-    message = email.message_from_string(raw, policy=email.policy.default)
+def mail_body(message: email.message.EmailMessage) -> str | None:
+    """The plain-text body of a parsed message; None when it has none (HTML only) or it cannot be decoded."""
     part = message.get_body(preferencelist=("plain",))
     if part is None:
         return None
@@ -101,14 +101,15 @@ def mail_documents(data: Path, groups: tuple[str, ...] = MAIL_GROUPS) -> list[Do
             raise FileNotFoundError(f"{folder} is missing: the SpamAssassin package is incomplete")
         for path in sorted(folder.glob("*.json")):
             record = json.loads(path.read_text(encoding="utf-8"))
-            body = mail_body(str(record.get("text", "")))
+            message = email.message_from_string(str(record.get("text", "")), policy=email.policy.default)
+            body = mail_body(message)
             if body is None or EXPLICIT.search(body):
                 continue
             text = clean_mail_body(body)
             if len(text) < MIN_MAIL_CHARS:
                 continue
             message_id = str(record.get("id") or path.name.split(".")[0])
-            subject = email.message_from_string(str(record["text"]), policy=email.policy.default).get("subject")
+            subject = message.get("subject")
             docs.append(Document(f"mail/{group}/{message_id}", text, "mail", title=str(subject or "") or None,
                                  meta={"group": group, "file": path.name}))
     return docs
