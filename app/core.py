@@ -477,7 +477,9 @@ class Studio:
         return card
 
     def search(self, text: str, mode: str = "label", k: int = 50) -> list[dict]:
-        """Label (substring) or semantic search; rows {prototype_id, label, category, score}."""
+        """Label (substring) or semantic search (labels, predictions and whatever evidence embeddings the database
+        holds; the best match of each prototype, nearest first, none left out); rows {prototype_id, label, category,
+        score} and, for semantic search, matched (the kind of the best match)."""
         db = self.need_db()
         needle = _clean_query(text)
         from precompute.search import label_search, semantic_search
@@ -489,9 +491,9 @@ class Studio:
         if mode == "semantic":
             if not db.has_embeddings:
                 raise AppError("this database has no search embeddings: run `python -m precompute.search --db DB`")
-            rows = db.run(semantic_search, needle, k=k)
+            rows = db.run(semantic_search, needle, k=k, kind="all")
             return [{"prototype_id": r["prototype_id"], "label": r["label"], "category": r["category"],
-                     "score": r["score"]} for r in rows]
+                     "score": r["score"], "matched": r["kind"]} for r in rows]
         raise AppError(f"search mode must be 'label' or 'semantic', got {mode!r}")
 
     def filters(self) -> list[str]:

@@ -51,7 +51,8 @@ ORDERINGS = {"relevance": None, "activation count": "activation_count", "label s
 TABLE_HEADERS = ["id", "label", "category", "label score", "sibling score", "tokens", "similarity"]
 TABLE_WIDTHS = ["44px", "200px", "110px", "82px", "82px", "70px", "110px"]  # every number on screen at 1280 px
 SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the label at least this (MiniLM)
-ACTIVE_HEADERS = ["id", "label", "category", "activation", "contribution"]
+N_NEAREST = 10  # shown, with their similarity, when no prototype reaches SEMANTIC_MIN
+ACTIVE_HEADERS = ["id", "label: fires on → pushes toward", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
 CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
 
@@ -346,14 +347,24 @@ def prototype(studio: Studio, prototype_id: float | str | None):
         empty = plots.empty_figure("no card")
         return problem(err), empty, empty, "", None
     md = (f"### #{card['prototype_id']} {html.escape(card['label'] or '(no label)')}\n"
-          f"**{html.escape(card['category'] or 'unlabelled')}** · label score {_shown_score(card['label_score'])}"
-          f" · sibling score {_shown_score(card.get('sibling_score'))} · active on "
-          f"{card['activation_count'] or 0} corpus tokens, mean activation {card['mean_activation'] or 0:.3f}, "
-          f"max {card['max_activation'] or 0:.3f}  \n"
-          f"<small>Both scores are held out (the label was written from other evidence of this prototype) and read "
-          f"like an AUROC: 0.5 = the label says nothing, 1 = it singles the prototype out. Label score: against "
-          f"random other prototypes' contexts; sibling score: against its siblings' only, the prototypes that fire "
-          f"on the same tokens.</small>")
+          f"**{html.escape(card['category'] or 'unlabelled')}**"
+          + (f" · {html.escape(card['topic'])}" if card.get("topic") else "") + "  \n")
+    if card.get("fires_on") or card.get("pushes"):
+        md += (f"- **fires on** {html.escape(card.get('fires_on') or '(not said)')}\n"
+               f"- **pushes the next token toward** {html.escape(card.get('pushes') or '(not said)')}\n\n")
+    if card.get("detection_random") is not None:
+        md += (f"detection {_shown_score(card['detection_random'])} vs random · "
+               f"{_shown_score(card.get('detection_sibling'))} vs siblings · ")
+    md += (f"label score {_shown_score(card['label_score'])}"
+           f" · sibling score {_shown_score(card.get('sibling_score'))} · active on "
+           f"{card['activation_count'] or 0} corpus tokens, mean activation {card['mean_activation'] or 0:.3f}, "
+           f"max {card['max_activation'] or 0:.3f}  \n"
+           f"<small>Every score is held out: the label was written from other evidence of this prototype. "
+           + ("Detection is a balanced accuracy (0.5 = chance, 1 = always right): given the label, tell this "
+              "prototype's contexts from random ones, or from its siblings' (the prototypes on the same tokens). "
+              if card.get("detection_random") is not None else "")
+           + "Label and sibling score read like an AUROC: 0.5 = the label says nothing, 1 = it singles the "
+             "prototype out, against random other prototypes' contexts or against its siblings' only.</small>")
     if card.get("siblings"):
         md += "\n\n**Siblings** (same tokens; what separates them):\n" + "\n".join(
             f"- #{s['prototype_id']} {html.escape(s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
@@ -383,8 +394,10 @@ def _score(x) -> float | None:
 @guarded
 def search(studio: Studio, text: str, mode: str, category: str, order: str):
     """The browser table: all prototypes (empty search) or label / semantic search results, filtered by
-    category and sorted (relevance by default). A semantic match is a label with cosine similarity >= SEMANTIC_MIN;
-    the count is the number of matches. Returns (rows, status)."""
+    category and sorted (relevance by default). A semantic match is a prototype whose label (with its category and
+    topic), predicted tokens or evidence has cosine similarity >= SEMANTIC_MIN; the count is the number of matches.
+    When none passes, the N_NEAREST nearest are listed with their similarity and the status says so, instead of an
+    empty table. Returns (rows, status)."""
     try:
         category = None if category in (None, "", "all") else category
         if order not in ORDERINGS:
@@ -396,13 +409,23 @@ def search(studio: Studio, text: str, mode: str, category: str, order: str):
         else:
             kind = "semantic" if mode == "semantic" else "label"
             results = studio.search(text, kind, k=studio.n_prototypes)
-            if kind == "semantic":
-                results = [r for r in results if r["score"] >= SEMANTIC_MIN]
             by_id = {r["prototype_id"]: r for r in listed}
+            results = [r for r in results if r["prototype_id"] in by_id]
+            nearest = False
+            if kind == "semantic":
+                matches = [r for r in results if r["score"] >= SEMANTIC_MIN]
+                nearest = not matches and bool(results)
+                results = matches or results[:N_NEAREST]  # nothing passes: the nearest, with their similarity
             rows = [{**by_id[r["prototype_id"]], "similarity": r["score"] if kind == "semantic" else None}
-                    for r in results if r["prototype_id"] in by_id]  # search order = relevance
-            what = f"with label similarity >= {SEMANTIC_MIN:.2f} to" if kind == "semantic" else "whose label contains"
-            found = f"{len(rows)} prototype(s) {what} {text.strip()[:80]!r}" + (f" in {category}" if category else "")
+                    for r in results]  # search order = relevance
+            where = f" in {category}" if category else ""
+            if nearest:
+                found = (f"no prototype{where} has similarity >= {SEMANTIC_MIN:.2f} to {text.strip()[:80]!r} "
+                         f"(label, topic or predicted tokens); the {len(rows)} nearest, with their similarity")
+            else:
+                what = (f"with similarity >= {SEMANTIC_MIN:.2f} (label, topic or predicted tokens) to"
+                        if kind == "semantic" else "whose label contains")
+                found = f"{len(rows)} prototype(s) {what} {text.strip()[:80]!r}{where}"
         key = ORDERINGS[order]
         if key is None and not (text or "").strip():
             key = "activation_count"

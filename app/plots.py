@@ -10,9 +10,13 @@ import plotly.graph_objects as go
 from app.core import NO_PROTOTYPE, UNLABELLED, TokenDecomposition, TokenView
 from precompute.schema import CATEGORIES
 
-_PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-            "#86bcb6", "#d37295", "#8cd17d", "#bab0ac")
-CATEGORY_COLORS = {c: _PALETTE[i % len(_PALETTE)] for i, c in enumerate(CATEGORIES)}
+# One colour per category, in CATEGORIES' order, far apart (Kelly's colours of maximum contrast, and a cyan):
+# morphology blue, scaffolding orange, medical/bio red, institutional purple, numbers/time green, science/tech
+# light blue, named entities yellow, social pink, boilerplate reddish brown, environment yellow-green, urls cyan,
+# finance buff, misc grey.
+_PALETTE = ("#0067a5", "#f38400", "#be0032", "#875692", "#008856", "#a1caf1", "#f3c300", "#e68fac", "#882d17",
+            "#8db600", "#17becf", "#c2b280", "#848482")
+CATEGORY_COLORS = dict(zip(CATEGORIES, _PALETTE, strict=True))
 CATEGORY_COLORS[UNLABELLED] = "#c7c7c7"
 CATEGORY_COLORS[NO_PROTOTYPE] = "#eeeeee"
 RESIDUAL_COLOR = "#7f7f7f"

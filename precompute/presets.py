@@ -7,7 +7,9 @@ off in one click. The app offers them as buttons; bench/behaviour_removal.py mea
 A preset names a behaviour by its markers: words (the King James register: thee, thou, hath, unto, saith, ...) and,
 optionally, a token pattern (numbers: any run of digits; SmolLM2 writes a number digit by digit). Its prototypes
 are those the database ties to the markers in any of three ways; each prototype keeps its reasons:
-- label:      its label (labels job) contains a marker word;
+- label:      a token its label names is a marker: the tokens it fires on or pushes toward, and the words before
+              or after it that the label names ("'unto' after 'said' → names (Moses)": unto, said, Moses), never the
+              context words of "near ..." / "with ..." lists (they describe the surroundings, not the tokens);
 - next_token: at least --min-share of the tokens that follow its evidence (next_tokens) are marker words, so the
               prototype is active where the corpus writes them next;
 - signature:  a marker is among the top --signature-top tokens of its logit signature W p_i, so its slice
@@ -47,6 +49,7 @@ class PresetSpec:
     token_pattern: str | None = None  # a token whose stripped text fully matches this regex is a marker too
     min_share: float = 0.3  # next_token rule: share of markers among the tokens after the evidence
     signature_top: int = 20  # signature rule: how many of W p_i's top tokens are looked at (the evidence job keeps 20)
+    marker_kinds: tuple[str, ...] = ()  # label rule: a label naming tokens of these kinds (tokens.KIND_PHRASES) counts
 
     def marker_pattern(self) -> re.Pattern:
         """Whole-word, case-insensitive match of any marker (for counting them in text); a run of tokens matching
@@ -79,6 +82,7 @@ PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
                     "and stays fluent; with the slices only removed, biblical continuations break.",
         markers=("thee", "thou", "thy", "thine", "ye", "hath", "hast", "doth", "dost", "saith", "shalt", "wilt",
                  "unto", "spake", "begat"),
+        marker_kinds=("archaic pronoun", "archaic form"),
     ),
     PresetSpec(
         name="numbers",
@@ -90,6 +94,7 @@ PRESETS: dict[str, PresetSpec] = {spec.name: spec for spec in (
         markers=NUMBER_WORDS,
         token_pattern="[0-9]+",
         signature_top=5,
+        marker_kinds=("number", "number word", "year"),
     ),
 )}
 
@@ -119,6 +124,19 @@ class PresetArgs:
                 spec.signature_top if self.signature_top is None else self.signature_top)
 
 
+def label_names_marker(spec: PresetSpec, label: str) -> bool:
+    """Whether a token the label names (precompute.labels.detection.parse_claims: the tokens it fires on, the piece
+    before or after, what it pushes toward) is one of the preset's markers, or the label names the preset's
+    marker_kinds ("archaic 2nd-person pronouns", "→ numbers (3, 12)")."""
+    from precompute.labels.detection import parse_claims
+
+    claims = parse_claims(label)
+    named = claims.tokens | claims.after | claims.before
+    pattern = spec.marker_pattern()
+    return any(t and pattern.fullmatch(t) for t in named) or \
+        bool(set(spec.marker_kinds) & (claims.kinds | claims.before_kinds))
+
+
 def find_prototypes(con: duckdb.DuckDBPyConnection, spec: PresetSpec, args: PresetArgs) -> dict[int, list[str]]:
     """{prototype_id: [reasons]} for one preset (module docstring). Token texts are compared stripped and
     lower-cased, so ' Thee' and 'thee' both count."""
@@ -131,9 +149,8 @@ def find_prototypes(con: duckdb.DuckDBPyConnection, spec: PresetSpec, args: Pres
             found.setdefault(int(pid), []).append(reason)
 
     if "label" in args.rules:
-        # A marker as a word of the label: labels are short phrases such as "thee after verbs".
-        add(con.execute("SELECT prototype_id FROM labels WHERE regexp_matches(lower(label), ?) ORDER BY 1",
-                        [spec.marker_pattern().pattern]).fetchall(), "label")
+        add([(pid,) for pid, label in con.execute("SELECT prototype_id, label FROM labels ORDER BY 1").fetchall()
+             if label and label_names_marker(spec, label)], "label")
     if "next_token" in args.rules:
         add(con.execute(f"""
             SELECT prototype_id FROM next_tokens

@@ -69,15 +69,31 @@ def _sibling_score_sql(con: duckdb.DuckDBPyConnection) -> str:
     return "sibling_score" if _has_column(con, "prototypes", "sibling_score") else "NULL::DOUBLE AS sibling_score"
 
 
+def label_parts(con: duckdb.DuckDBPyConnection, prototype_id: int) -> dict:
+    """{fires_on, pushes, topic, detection_random, detection_sibling} of a prototype's label (labeler v3); None
+    for each in a database made before them (schema version < 3) or from a labeler that does not say."""
+    from precompute.schema import LABEL_COLUMNS_V3
+
+    names = [c for c, _ in LABEL_COLUMNS_V3]
+    present = [c for c in names if _has_column(con, "labels", c)]
+    row = con.execute(f"SELECT {', '.join(present)} FROM labels WHERE prototype_id = ?",
+                      [int(prototype_id)]).fetchone() if present else None
+    values = dict(zip(present, row)) if row else {}
+    return {c: values.get(c) for c in names}
+
+
 def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
     """Everything a prototype card shows except the evidence snippets (see evidence()) and the siblings (see
-    siblings()). label_score and sibling_score are the label's two held-out AUROCs (precompute/labels/)."""
+    siblings()). label_score and sibling_score are the label's two held-out AUROCs, detection_random and
+    detection_sibling its held-out detection balanced accuracies, fires_on / pushes / topic its parts
+    (precompute/labels/; label_parts)."""
     pid = _check_id(con, prototype_id)
     cols = ["prototype_id", "label", "category", "label_score", _sibling_score_sql(con), "activation_count",
             "mean_activation", "max_activation", "x", "y", "hist_edges", "hist_counts"]
     row = con.execute(f"SELECT {', '.join(cols)} FROM prototypes WHERE prototype_id = ?", [pid]).fetchone()
     cols[4] = "sibling_score"
     card = dict(zip(cols, row))
+    card.update(label_parts(con, pid))
     card["signature"] = _rows(con, "SELECT token_id, token, value FROM logit_signatures WHERE prototype_id = ? "
                                    "ORDER BY rank", [pid])
     card["next_tokens"] = _rows(con, "SELECT token_id, token, count FROM next_tokens WHERE prototype_id = ? "

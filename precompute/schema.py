@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import duckdb
 
-SCHEMA_VERSION = 2  # 2: labels.sibling_score and label_siblings (issue 14); create_all upgrades a version-1 file
+SCHEMA_VERSION = 3  # 2: labels.sibling_score and label_siblings (issue 14); 3: labels.fires_on, pushes, topic and
+# the detection scores (issue 37). create_all upgrades an older file in place
 
 # job -> the tables it owns (cleared when the job is re-run with --overwrite)
 JOB_TABLES: dict[str, tuple[str, ...]] = {
@@ -131,7 +132,12 @@ DDL = {
             label_score DOUBLE,               -- how well the label separates held-out evidence from random (AUROC)
             labeler VARCHAR NOT NULL,
             explanation VARCHAR,
-            sibling_score DOUBLE              -- the same AUROC against the siblings' held-out evidence only
+            sibling_score DOUBLE,             -- the same AUROC against the siblings' held-out evidence only
+            fires_on VARCHAR,                 -- where it fires (labeler v3; NULL from labelers that do not say)
+            pushes VARCHAR,                   -- what it pushes the next token toward
+            topic VARCHAR,                    -- the specific topic under the category, "religion - scripture"
+            detection_random DOUBLE,          -- held-out detection balanced accuracy vs random contexts
+            detection_sibling DOUBLE          -- the same vs the siblings' held-out contexts
         )""",
     # A prototype's siblings (precompute/labels/contrast.py): prototypes whose evidence shares its tokens, strongest
     # first, with what separates the two (the facts that lead in each).
@@ -215,6 +221,9 @@ CATEGORIES = (
     "named entities", "social", "boilerplate", "environment", "urls", "finance", "misc",
 )
 
+LABEL_COLUMNS_V3 = (("fires_on", "VARCHAR"), ("pushes", "VARCHAR"), ("topic", "VARCHAR"),
+                    ("detection_random", "DOUBLE"), ("detection_sibling", "DOUBLE"))
+
 PROTOTYPES_VIEW = """
     CREATE OR REPLACE VIEW prototypes AS
     SELECT s.prototype_id, l.label, l.category, l.label_score, l.sibling_score, s.activation_count,
@@ -231,5 +240,8 @@ def create_all(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(ddl)
     # version 1 -> 2: a labels table made before sibling_score (the column goes last, as in the DDL)
     con.execute("ALTER TABLE labels ADD COLUMN IF NOT EXISTS sibling_score DOUBLE")
+    # version 2 -> 3: the two sides, the topic and the detection scores (in the DDL's order)
+    for column, kind in LABEL_COLUMNS_V3:
+        con.execute(f"ALTER TABLE labels ADD COLUMN IF NOT EXISTS {column} {kind}")
     con.execute(PROTOTYPES_VIEW)
     con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])

@@ -1,9 +1,12 @@
-"""The Prototypes tab's logic (issue 14's browser part): a semantic search lists exactly the prototypes whose label
-embedding is at least SEMANTIC_MIN similar to the query (checked against numpy cosines of the stored vectors), most
-similar first, and says how many; every sort order sorts; the filter offers every category the legend shows plus
-'never active'; the map rings search results, stars the open card and greys other categories."""
+"""The Prototypes tab's logic (issue 14's browser part): a semantic search lists exactly the prototypes whose label,
+topic, prediction or evidence embedding is at least SEMANTIC_MIN similar to the query (checked against numpy cosines
+of the stored vectors), most similar first, and says how many, or the nearest ones when none is; every sort order
+sorts; the filter offers every category the legend shows plus 'never active'; the map rings search results, stars the
+open card and greys other categories; the card shows a v3 label's two sides."""
 
 from __future__ import annotations
+
+import html
 
 import numpy as np
 import pandas as pd
@@ -22,26 +25,39 @@ def studio(tmp_path_factory):
 
 
 def cosines(studio, text: str) -> dict[int, float]:
-    """Independent: the query's MiniLM vector against every stored label vector, in numpy."""
-    rows = studio.db.run(lambda c: c.execute(
-        "SELECT prototype_id, vector FROM embeddings WHERE kind = 'label' ORDER BY 1").fetchall())
+    """Independent: the query's MiniLM vector against every stored vector (labels, predictions, evidence) in
+    numpy, the best of each prototype."""
+    rows = studio.db.run(lambda c: c.execute("SELECT prototype_id, vector FROM embeddings ORDER BY 1").fetchall())
     q = np.asarray(embed([text], progress=False)[0], dtype=np.float64)
-    return {pid: float(np.dot(q, v) / (np.linalg.norm(q) * np.linalg.norm(v))) for pid, v in rows}
+    best: dict[int, float] = {}
+    for pid, v in rows:
+        best[pid] = max(best.get(pid, -2.0), float(np.dot(q, v) / (np.linalg.norm(q) * np.linalg.norm(v))))
+    return best
 
 
 def test_semantic_search_lists_the_matches_by_similarity_and_counts_them(studio):
+    from precompute.search import label_text
+
     pid = max(range(studio.n_prototypes), key=lambda p: len(studio.label(p)[0]))
     label, category = studio.label(pid)
-    for text in (f"{category}: {label}", label, "'; DROP TABLE labels; --", "qwertyuiop zxcv"):
+    own = label_text(category, label, studio.card(pid).get("topic"))
+    for text in (own, label, "'; DROP TABLE labels; --", "qwertyuiop zxcv"):
         rows, status = handlers.search(studio, text, "semantic", "all", "relevance")
-        expected = {p: c for p, c in cosines(studio, text).items() if c >= handlers.SEMANTIC_MIN - 1e-6}
-        assert {r[0] for r in rows} == set(expected), text
-        assert status.startswith(f"{len(rows)} prototype(s) with label similarity >= {handlers.SEMANTIC_MIN:.2f}")
+        sims = cosines(studio, text)
+        expected = {p: c for p, c in sims.items() if c >= handlers.SEMANTIC_MIN - 1e-6}
+        if expected:
+            assert {r[0] for r in rows} == set(expected), text
+            assert status.startswith(f"{len(rows)} prototype(s) with similarity >= {handlers.SEMANTIC_MIN:.2f}")
+        else:  # nothing passes: the nearest ones with their similarity, never an empty table
+            nearest = sorted(sims.values(), reverse=True)[:handlers.N_NEAREST]
+            assert len(rows) == handlers.N_NEAREST and [r[6] for r in rows] == pytest.approx(nearest, abs=2e-3)
+            assert status.startswith(f"no prototype has similarity >= {handlers.SEMANTIC_MIN:.2f}"), status
         similarities = [r[6] for r in rows]
         assert similarities == sorted(similarities, reverse=True)
         for r in rows:
-            assert abs(r[6] - expected[r[0]]) < 2e-3
-    rows, _ = handlers.search(studio, f"{category}: {label}", "semantic", "all", "relevance")
+            assert abs(r[6] - sims[r[0]]) < 2e-3
+    assert max(cosines(studio, "qwertyuiop zxcv").values()) < handlers.SEMANTIC_MIN  # so the fallback ran above
+    rows, _ = handlers.search(studio, own, "semantic", "all", "relevance")
     assert rows[0][0] == pid and rows[0][6] > 0.99  # the label itself is the best match
 
 
@@ -120,3 +136,20 @@ def test_the_card_explains_both_scores_and_lists_the_siblings(studio):
     for s in siblings[:6]:
         assert f"- #{s['prototype_id']} " in md and f"overlap {s['overlap']:.2f}" in md
     assert [s["prototype_id"] for s in data["siblings"]] == [s["prototype_id"] for s in siblings]
+
+
+def test_the_card_shows_where_a_prototype_fires_and_what_it_pushes_apart(studio):
+    """Labeler v3's two sides, topic and detection scores, as the labels table holds them."""
+    rows = studio.db.run(lambda c: c.execute(
+        "SELECT prototype_id, fires_on, pushes, topic, detection_random, detection_sibling FROM labels "
+        "WHERE pushes IS NOT NULL ORDER BY 1").fetchall())
+    assert rows, "the tiny database is labelled by v3"
+    for pid, fires_on, pushes, topic, d_rand, d_sib in rows[:5]:
+        md, *_, data = handlers.prototype(studio, pid)
+        assert f"- **fires on** {html.escape(fires_on)}\n" in md
+        assert f"- **pushes the next token toward** {html.escape(pushes)}\n" in md
+        assert data["fires_on"] == fires_on and data["pushes"] == pushes and data["topic"] == topic
+        if topic:
+            assert f" · {html.escape(topic)}" in md
+        assert f"detection {d_rand:.3f} vs random" in md
+        assert (f"{d_sib:.3f} vs siblings" if d_sib is not None else "n/a vs siblings") in md

@@ -58,7 +58,7 @@ def db(tmp_path_factory):
     path = build_evidence_db(tmp_path_factory.mktemp("contrast") / "db.duckdb", prototypes=PROTOTYPES, dead=(5,),
                              n_evidence=12)
     con = connect(path)
-    labels_job.run(con, batch_size=2)
+    labels_job.run(con, contrast.ContrastiveLabeler(), batch_size=2)  # v2 (the default is v3)
     rows = {r[0]: r for r in con.execute("SELECT prototype_id, category, label, label_score, labeler, sibling_score "
                                          "FROM labels ORDER BY 1").fetchall()}
     con.close()

@@ -176,8 +176,16 @@ def _labelled(folder: Path, labeler=None) -> dict:
 
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
-    """The synthetic database after one run of the default labeler (v2; batch_size 4, so several chunks)."""
+    """The synthetic database after one run of the default labeler (v3; batch_size 4, so several chunks)."""
     return _labelled(tmp_path_factory.mktemp("labels"))
+
+
+@pytest.fixture(scope="module")
+def labelled_v2(tmp_path_factory):
+    """The same after one run of labeler v2 (offline-v2)."""
+    from precompute.labels.contrast import ContrastiveLabeler
+
+    return _labelled(tmp_path_factory.mktemp("labels-v2"), ContrastiveLabeler())
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +301,9 @@ def test_offline_labels_are_valid_and_sensible(labelled_v1):
     labelled = labelled_v1
     rows = {r[0]: r for r in labelled["rows"]}
     assert labelled["written"] == len(rows) == len(PROTOTYPES) + 1
-    for _pid, category, label, score, labeler, explanation, sibling_score in labelled["rows"]:
+    for _pid, category, label, score, labeler, explanation, sibling_score, *v3 in labelled["rows"]:
+        assert v3[:3] == [None, None, None]  # v1 names neither side nor a topic; every labeler gets detection scores
+        assert all(d is None or 0.0 <= d <= 1.0 for d in v3[3:])
         assert category in CATEGORIES
         assert label and len(label) <= labels_job.MAX_LABEL_CHARS and labeler == OfflineLabeler.name
         assert explanation
@@ -343,9 +353,10 @@ def test_function_word_prototypes_take_the_category_of_what_they_predict(tmp_pat
     assert "slot" not in rows[22][3] and "determiner 'the'" in rows[22][2]
 
 
-def test_v2_labels_are_valid_distinct_and_keep_v1_categories(labelled, labelled_v1):
+def test_v2_labels_are_valid_distinct_and_keep_v1_categories(labelled_v2, labelled_v1):
+    labelled = labelled_v2
     v1 = {r[0]: r for r in labelled_v1["rows"]}
-    for pid, category, label, score, labeler, explanation, _ in labelled["rows"]:
+    for pid, category, label, score, labeler, explanation, *_ in labelled["rows"]:
         assert labeler == "offline-v2" and category == v1[pid][1] and explanation
         assert label and len(label) <= labels_job.MAX_LABEL_CHARS and "mixed" not in label
         assert score is None or score > 0.5
@@ -415,7 +426,7 @@ def test_sigkill_mid_chunk_then_resume_equals_an_uninterrupted_run(labelled, tmp
     written = labels_job.run(con, batch_size=1)  # resumes: same arguments, unfinished
     con.close()
     assert written == len(labelled["rows"]) - 3
-    assert _table(db) == labelled["rows"]  # the default labeler (v2): labels, both scores
+    assert _table(db) == labelled["rows"]  # the default labeler (v3): labels, its parts, every score
     con = connect(db, read_only=True)
     assert con.execute("SELECT * FROM label_siblings ORDER BY prototype_id, rank").fetchall() == labelled["siblings"]
     con.close()

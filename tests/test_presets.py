@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -27,9 +28,17 @@ def _fill(path, seed=0, n=40):
     start_job(con, "labels", {"synthetic": True})
     rows = {"labels": [], "next": [], "sig": []}
     for pid in range(n):
-        marker_label = rng.random() < 0.2
-        word = rng.choice(sorted(MARKERS)) if marker_label else rng.choice(["verbs", "thereof", "the end", "Thee"])
-        rows["labels"].append((pid, "misc", f"{word} after a comma", 0.7, "synthetic", None))
+        kind = rng.random()
+        marker = rng.choice(sorted(MARKERS))
+        if kind < 0.2:  # the label names a marker token
+            label = f"'{marker}' after ','"
+        elif kind < 0.4:  # a marker among the context words only: not a marker label
+            label = f"'the' near {marker}, grace → 'of'"
+        elif kind < 0.5:  # the label names the markers' kind
+            label = "archaic verb forms after ','"
+        else:
+            label = f"'{rng.choice(['verbs', 'thereof', 'end', 'Thee'])}' after ',' → 'and'"
+        rows["labels"].append((pid, "misc", label, 0.7, "synthetic", None))
         for rank in range(5):
             token = rng.choice([" " + rng.choice(sorted(MARKERS)).capitalize(), *OTHER])
             rows["next"].append((pid, rank, rank, token, rng.randint(1, 9)))
@@ -48,8 +57,9 @@ def _expected(rows, args: presets.PresetArgs) -> dict[int, list[str]]:
     """The three rules written plainly in Python over the same rows."""
     min_share, signature_top = args.for_preset(presets.PRESETS["kjv-register"])
     found: dict[int, list[str]] = {}
-    for pid, _, label, *_ in rows["labels"]:
-        if any(w in MARKERS for w in label.lower().replace(",", " ").split()):
+    for pid, _, label, *_ in rows["labels"]:  # a quoted (named) token is a marker, or the label names their kind
+        if any(q.strip().lower() in MARKERS for q in re.findall(r"'([^']*)'", label)) or \
+                label.startswith("archaic verb forms"):
             found.setdefault(pid, []).append("label")
     totals, hits = {}, {}
     for pid, _, _, token, count in rows["next"]:

@@ -12,7 +12,7 @@ from test_labels import build_evidence_db
 from precompute import labels as labels_job
 from precompute import map as map_job
 from precompute import search as search_job
-from precompute.embed import EMBED_DIM
+from precompute.embed import EMBED_DIM, embed
 from precompute.runs import JobArgsMismatch, connect
 from precompute.search import label_search, semantic_search
 
@@ -37,10 +37,20 @@ def _copy(src, tmp_path):
 
 def test_embeddings_table(searchable):
     rows = searchable["rows"]
-    assert searchable["written"] == len(rows) == 10 + 9 * 10  # a label per prototype, 10 evidence rows per live one
+    con = connect(searchable["path"], read_only=True)
+    try:  # a prediction's vector is the embedded list of the tokens its signature raises
+        tokens = [t for t, v in con.execute("SELECT token, value FROM logit_signatures WHERE prototype_id = 0 "
+                                            "ORDER BY rank").fetchall() if v > 0]
+        topics = con.execute("SELECT count(*) FROM labels WHERE topic IS NOT NULL").fetchone()[0]
+    finally:
+        con.close()
+    # a label per prototype, a topic where it has one, a prediction and 10 evidence rows per live one
+    assert searchable["written"] == len(rows) == 10 + topics + 9 + 9 * 10
     kinds = {kind for kind, *_ in rows}
-    assert kinds == {"label", "evidence"}
-    assert {item for kind, _, item, _ in rows if kind == "label"} == {0}
+    assert kinds == {"label", "predicts", "evidence"} | ({"topic"} if topics else set())
+    assert {item for kind, _, item, _ in rows if kind != "evidence"} == {0}
+    stored = next(v for kind, pid, _, v in rows if kind == "predicts" and pid == 0)
+    np.testing.assert_allclose(stored, embed([search_job.predicts_text(tokens)], progress=False)[0], atol=1e-5)
     assert sorted(item for kind, pid, item, _ in rows if kind == "evidence" and pid == 0) == list(range(10))
     vectors = np.array([v for *_, v in rows], dtype=np.float32)
     assert vectors.shape == (len(rows), EMBED_DIM)
@@ -66,7 +76,7 @@ def test_semantic_search_ranks_the_matching_prototype_first(searchable, query, k
     assert len(results) == 5 and len({r["prototype_id"] for r in results}) == 5
     scores = [r["score"] for r in results]
     assert scores == sorted(scores, reverse=True) and all(-1.0 <= s <= 1.0 for s in scores)
-    assert set(results[0]) == {"prototype_id", "score", "label", "category", "item"}
+    assert set(results[0]) == {"prototype_id", "score", "label", "category", "item", "kind"}
 
 
 def test_semantic_search_scores_equal_numpy_cosines(searchable):

@@ -1,11 +1,17 @@
-"""The labels job as a package: a broad category, a short specific role and two held-out scores for every prototype.
+"""The labels job as a package: a broad category, a topic, a two-sided label and held-out scores for every prototype.
 
 Each prototype gets a category from the paper's taxonomy (schema.CATEGORIES: morphology, grammatical scaffolding,
 medical/bio, ...) and a label naming its specific role ("archaic 2nd-person pronoun", "year numbers", "suffix
 -tion"); docs/DESIGN.md section 6 says why. One row per prototype of prototype_stats goes into `labels`:
 
     category      one of schema.CATEGORIES
-    label         a few words naming the specific role
+    label         a few words naming the specific role; labeler v3 writes "fires_on → pushes"
+    fires_on      where it fires (v3): the tokens, the words around them, the source
+    pushes        what it pushes the next token toward (v3): next tokens its evidence shows and W p_i raises
+    topic         the specific topic under the category, "religion - scripture" (v3; twosided.TOPICS)
+    detection_random, detection_sibling
+                  held-out detection balanced accuracy (detection.py): given the label, tell the prototype's
+                  held-out contexts from random ones / from its siblings', threshold fitted on the visible ones
     label_score   AUROC of cos(label embedding, context embedding) separating the prototype's HELD-OUT evidence
                   contexts (odd ranks; the label is made from the even ranks only) from a seeded sample of other
                   prototypes' contexts: 0.5 = the label says nothing about the evidence, 1.0 = it singles it out
@@ -21,7 +27,9 @@ One module per responsibility:
     labeler.py   the labeler interface (`name`, `label(card) -> LabelResult`) and the category names
     tokens.py    token rules: closed classes of tokens that need no semantics
     offline.py   labeler v1 ('offline-v1'): token rules + sentence-embedding similarity to category descriptions
-    contrast.py  labeler v2 ('offline', the default): what sets a prototype apart from its siblings; sibling scores
+    contrast.py  labeler v2 ('offline-v2'): what sets a prototype apart from its siblings; sibling scores
+    twosided.py  labeler v3 ('offline', the default): where it fires and what it pushes, with a topic
+    detection.py detection scores: the marked scorer (a label's claims checked on a context), the intruder check
     llm.py       OpenAICompatibleLabeler (any /chat/completions endpoint), LocalInstructLabeler (a local folder)
     scoring.py   label_score: AUROC on held-out evidence against other prototypes' contexts
     job.py       the job: resumable, chunked, arguments stored

@@ -1,6 +1,7 @@
 """The labels job's command line (precompute/labels/job.py).
 
     python -m precompute.labels --db out.duckdb
+    python -m precompute.labels --db out.duckdb --labeler offline-v2   # v2 (the default is v3)
     python -m precompute.labels --db out.duckdb --labeler offline-v1
     python -m precompute.labels --db out.duckdb --labeler openai --endpoint http://127.0.0.1:8000/v1 --llm-model qwen
     python -m precompute.labels --db out.duckdb --labeler local --llm-model path/to/instruct-model
@@ -21,12 +22,13 @@ from prism import cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.parser("python -m precompute.labels", "The labels job: a broad category, a short specific role and "
-                        "two held-out scores for every prototype.")
+    parser = cli.parser("python -m precompute.labels", "The labels job: a broad category, a topic, a two-sided label "
+                        "and held-out scores for every prototype.")
     parser.add_argument("--db", required=True, help="the precompute DuckDB file (with the evidence job done)")
     # which labeler
     parser.add_argument("--labeler", choices=LABELERS, default="offline",
-                        help="offline: v2, contrastive to the siblings (precompute/labels/contrast.py); "
+                        help="offline: v3, where it fires and what it pushes, with a topic "
+                             "(precompute/labels/twosided.py); offline-v2: contrastive to the siblings (contrast.py); "
                              "offline-v1: token rules only")
     parser.add_argument("--endpoint", help="openai: the API root, e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--llm-model", help="openai: the model name; local: the model folder")
@@ -54,13 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     with cli.expected_errors(parser, *errors), Inputs(args.db) as inputs:
         written = JOB.run(Context(inputs, job_args, args.overwrite))
         mix = category_mix(inputs.connection())
-    total = sum(n for _, n, _, _ in mix)
+    total = sum(row[1] for row in mix)
     print(f"labels: wrote {written} rows; {total} prototypes labelled")  # noqa: T201 - the command's output
-    for category, n, score, sibling in mix:
-        mean = f"{score:.3f}" if score is not None else "-"
-        sib = f"{sibling:.3f}" if sibling is not None else "-"
-        print(f"  {category:<24} {n:>6} {n / total:6.1%}  mean label_score {mean}  "  # noqa: T201
-              f"sibling_score {sib}")
+
+    def shown(x) -> str:
+        return f"{x:.3f}" if x is not None else "-"
+
+    for category, n, score, sibling, d_rand, d_sib in mix:
+        print(f"  {category:<24} {n:>6} {n / total:6.1%}  detection {shown(d_rand)} / {shown(d_sib)}  "  # noqa: T201
+              f"label_score {shown(score)}  sibling_score {shown(sibling)}")
     return written
 
 

@@ -350,6 +350,7 @@ class ContrastContext:
     select_ids: np.ndarray  # (S,) their prototypes
     profiles: dict[int, Profile] = field(default_factory=dict)  # visible (even-ranked) evidence per prototype
     background: Profile | None = None  # see _background
+    facts: list = field(default_factory=list)  # detection.row_facts: what the marked scorer reads off each row
 
     def rows(self, pid: int, held_out: bool) -> list[int]:
         """Rows of a prototype's visible (even) or held-out (odd) evidence contexts."""
@@ -412,7 +413,8 @@ def score_pair(ctx: ContrastContext, pool: NegativePool, pid: int, label_vector:
 
 def score_labels(ctx: ContrastContext, pool: NegativePool, items: list[tuple[int, str]]
                  ) -> list[tuple[float | None, float | None]]:
-    """(label_score, sibling_score) for each (prototype_id, label)."""
+    """(label_score, sibling_score) for each (prototype_id, label); detection.score_labels adds the detection
+    scores."""
     if not items:
         return []
     vectors = embed([label for _, label in items])  # (L, D)

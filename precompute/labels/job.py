@@ -21,12 +21,13 @@ import duckdb
 
 from precompute.embed import EMBED_MODEL
 from precompute.inputs import Context, Job
-from precompute.labels import contrast
+from precompute.labels import contrast, detection
 from precompute.labels.cards import WINDOW_AFTER, WINDOW_BEFORE, PrototypeCard, load_cards
 from precompute.labels.labeler import Labeler, LabelResult
 from precompute.labels.llm import LocalInstructLabeler, OpenAICompatibleLabeler
 from precompute.labels.offline import OfflineLabeler
 from precompute.labels.scoring import N_NEGATIVES, NegativePool, negative_pool, score_labels
+from precompute.labels.twosided import TwoSidedLabeler
 from precompute.runs import finish_job, job_done, job_run_id, remaining_prototypes, start_job, write_in_chunks
 from precompute.schema import CATEGORIES
 
@@ -38,7 +39,8 @@ NAME = "labels"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: NegativePool,
                      context=None) -> list[tuple]:
     """Rows of `labels` for the cards: label the even-ranked evidence, score on the odd-ranked. With a
-    precompute.labels.contrast.ContrastContext the rows also carry sibling_score (columns: LABEL_COLUMNS)."""
+    precompute.labels.contrast.ContrastContext the rows also carry sibling_score and both detection scores
+    (precompute/labels/detection.py; columns: LABEL_COLUMNS)."""
     results, items = [], []
     for card in cards:
         train, held_out = card.split()
@@ -49,14 +51,16 @@ def label_prototypes(cards: list[PrototypeCard], labeler: Labeler, pool: Negativ
         results.append(result)
         items.append((card.prototype_id, result.label, held_out))
     if context is None:
-        scores = [(s, None) for s in score_labels(items, pool)]
+        scores = [(s, None, None, None) for s in score_labels(items, pool)]
     else:
-        scores = contrast.score_labels(context, pool, [(pid, label) for pid, label, _ in items])
-    return [(card.prototype_id, r.category, r.label, s, labeler.name, r.explanation, sib)
-            for card, r, (s, sib) in zip(cards, results, scores, strict=True)]
+        scores = detection.score_labels(context, pool, [(pid, label) for pid, label, _ in items])
+    return [(card.prototype_id, r.category, r.label, s, labeler.name, r.explanation, sib, r.fires_on, r.pushes,
+             r.topic, d_rand, d_sib)
+            for card, r, (s, sib, d_rand, d_sib) in zip(cards, results, scores, strict=True)]
 
 
-LABEL_COLUMNS = ("prototype_id", "category", "label", "label_score", "labeler", "explanation", "sibling_score")
+LABEL_COLUMNS = ("prototype_id", "category", "label", "label_score", "labeler", "explanation", "sibling_score",
+                 "fires_on", "pushes", "topic", "detection_random", "detection_sibling")
 
 
 def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrite: bool = False,
@@ -68,7 +72,7 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
     arguments writes nothing; other arguments raise JobArgsMismatch unless overwrite. batch_size is the number of
     prototypes per transaction and not part of the job's arguments (the rows do not depend on it).
     """
-    labeler = labeler or contrast.ContrastiveLabeler()
+    labeler = labeler or TwoSidedLabeler()
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not job_done(con, "evidence"):
@@ -109,13 +113,13 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
     return written
 
 
-LABELERS = ("offline", "offline-v1", "openai", "local")
+LABELERS = ("offline", "offline-v2", "offline-v1", "openai", "local")
 
 
 def check_labeler_arguments(kind: str, endpoint: str | None = None, model: str | None = None) -> None:
     """The argument errors make_labeler raises, found without building anything (no model loaded, no request)."""
     if kind not in LABELERS:
-        raise ValueError(f"unknown labeler {kind!r}: offline, offline-v1, openai or local")
+        raise ValueError(f"unknown labeler {kind!r}: offline, offline-v2, offline-v1, openai or local")
     if kind == "openai" and (not endpoint or not model):
         raise ValueError("--labeler openai needs --endpoint URL and --llm-model NAME")
     if kind == "local" and not model:
@@ -124,10 +128,12 @@ def check_labeler_arguments(kind: str, endpoint: str | None = None, model: str |
 
 def make_labeler(kind: str, endpoint: str | None = None, model: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0) -> Labeler:
-    """The labeler the command line names: offline (v2, contrastive) | offline-v1 | openai (endpoint + model) |
-    local (model folder)."""
+    """The labeler the command line names: offline (v3, two-sided) | offline-v2 (contrastive) | offline-v1 |
+    openai (endpoint + model) | local (model folder)."""
     check_labeler_arguments(kind, endpoint, model)
     if kind == "offline":
+        return TwoSidedLabeler()
+    if kind == "offline-v2":
         return contrast.ContrastiveLabeler()
     if kind == "offline-v1":
         return OfflineLabeler()
@@ -138,7 +144,7 @@ def make_labeler(kind: str, endpoint: str | None = None, model: str | None = Non
 
 @dataclass
 class LabelsArgs:
-    labeler: str = "offline"  # one of LABELERS
+    labeler: str = "offline"  # one of LABELERS (offline = v3)
     endpoint: str | None = None  # openai: the API root
     llm_model: str | None = None  # openai: the model name; local: the model folder
     api_key_env: str | None = None  # openai: the environment variable holding the API key (never the key itself)
@@ -165,7 +171,8 @@ JOB = Job(NAME, LabelsArgs, run_job,
                                           seed=ns.seed))
 
 
-def category_mix(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int, float]]:
-    """(category, prototypes, mean label_score, mean sibling_score) from the labels table, largest first."""
-    return con.execute("SELECT category, count(*) AS n, avg(label_score), avg(sibling_score) FROM labels "
-                       "GROUP BY category ORDER BY n DESC, category").fetchall()
+def category_mix(con: duckdb.DuckDBPyConnection) -> list[tuple]:
+    """(category, prototypes, mean label_score, mean sibling_score, mean detection_random, mean detection_sibling)
+    from the labels table, largest first."""
+    return con.execute("SELECT category, count(*) AS n, avg(label_score), avg(sibling_score), avg(detection_random), "
+                       "avg(detection_sibling) FROM labels GROUP BY category ORDER BY n DESC, category").fetchall()

@@ -6,7 +6,8 @@
 
 A labeler may also have prepare(background_vectors) (called once with the embedded negative contexts) and
 prepare_contrast(context) (called once with the siblings' context, precompute/labels/contrast.py). The labelers:
-ContrastiveLabeler (contrast.py, the default 'offline'), OfflineLabeler (offline.py, 'offline-v1'),
+TwoSidedLabeler (twosided.py, the default 'offline'), ContrastiveLabeler (contrast.py, 'offline-v2'),
+OfflineLabeler (offline.py, 'offline-v1'),
 OpenAICompatibleLabeler and LocalInstructLabeler (llm.py).
 """
 
@@ -31,6 +32,9 @@ class LabelResult:
     category: str  # one of CATEGORIES
     label: str  # a few words
     explanation: str = ""
+    fires_on: str | None = None  # where it fires (labeler v3; None from labelers that do not say)
+    pushes: str | None = None  # what it pushes the next token toward
+    topic: str | None = None  # the specific topic under the category, e.g. "religion - scripture"
 
 
 @runtime_checkable

@@ -122,10 +122,14 @@ class OpenAICompatibleLabeler(_PromptLabeler):
         handlers = [urllib.request.ProxyHandler({})] if local else []  # never send a local server through a proxy
         self._opener = urllib.request.build_opener(*handlers)
 
-    def _complete(self, prompt: str) -> str:
+    def complete_with(self, system: str):
+        """A function prompt -> reply text with another system prompt (bench/label_detection.py's LLM scorer)."""
+        return lambda prompt: self._complete(prompt, system)
+
+    def _complete(self, prompt: str, system: str = SYSTEM_PROMPT) -> str:
         url = f"{self.base_url}/chat/completions"
         body = {"model": self.model_id, "temperature": 0, "max_tokens": self.max_tokens,
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]}
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": prompt}]}
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
