@@ -149,15 +149,24 @@ def test_shipped_controller_belongs_to_the_default_model_and_acts_exactly(shippe
     assert abs(d.residual + sum(d.contributions) - d.logit) <= 1e-4 * max(1.0, abs(d.logit))
 
 
-def test_labels_meet_the_goals_of_issue_14():
-    """Labeler v2 on the shipped bank: distinct, no catch-alls, both held-out scores above the goals."""
+def test_labels_are_two_sided_distinct_and_detectable():
+    """Labeler v3 on the shipped bank: every live label says where it fires and what it pushes, labels are distinct,
+    no catch-alls, and the held-out detection accuracy against random contexts meets issue 37's goal (the sibling
+    goal is not met: docs/RESULTS.md). The v2 AUROC label_score is kept as a column but is no goal any more: it
+    rewards topic words and does not read the label's claims."""
     from bench.label_goals import measure
 
     con = connect(_db(), read_only=True)
     try:
         result = measure(con)
-        assert result["labeler"] == "offline-v2"
-        assert all(result["goals_met"].values()), result
+        assert result["labeler"] == "offline-v3"
+        for name in ("distinct_share", "catch_all_share", "mean_sibling_score"):
+            assert result["goals_met"][name], result
+        live = con.execute("SELECT l.fires_on, l.pushes, l.detection_random FROM labels l "
+                           "JOIN prototype_stats s USING (prototype_id) WHERE s.activation_count > 0").fetchall()
+        assert live and all(f and p for f, p, _ in live)
+        detection = [d for *_, d in live if d is not None]
+        assert sum(detection) / len(detection) >= 0.85
         pid = con.execute("SELECT prototype_id FROM label_siblings ORDER BY prototype_id LIMIT 1").fetchone()[0]
         siblings = query.siblings(con, pid)
         assert siblings and all(s["label"] and s["separation"] for s in siblings)
