@@ -248,3 +248,23 @@ def test_intruder_check_finds_the_odd_context_out(job_context):
     accuracy, tried = detection.intruder_accuracy(ctx, pool, seed=0)
     assert tried == len(PROTOTYPES) and accuracy > 1 / (detection.N_INTRUDER_SET + 1)
     assert (accuracy, tried) == detection.intruder_accuracy(ctx, pool, seed=0)  # seeded
+
+
+def test_pushes_side_names_a_shared_kind_or_one_line_break():
+    from precompute.labels.cards import EvidenceContext, PrototypeCard
+
+    def card(nexts, signature):
+        evidence = [EvidenceContext(i, " of", 1.0, [" sons", " of", n], [0.0, 1.0, 0.0], 1)
+                    for i, n in enumerate(nexts)]
+        return PrototypeCard(0, evidence, logit_tokens=signature)
+
+    # the raised next tokens follow most of the evidence: named
+    text, named = twosided.pushes_part(card([" Israel", " Israel", " Judah", " the"],
+                                            [(" Israel", 2.0), (" Judah", 1.0)]))
+    assert named == ["Israel", "Judah"] and text == "names (Israel, Judah)"
+    # the signature raises none of them, but most share a kind: the kind with its examples
+    text, _ = twosided.pushes_part(card([" eat", " take", " offer", " eat"], [(" the", 1.0)]))
+    assert text.startswith("words (") and "eat" in text
+    # a single line break reads as one
+    text, _ = twosided.pushes_part(card(["\n", "\n", "\n"], [("\n", 1.0)]))
+    assert text == "a line break"

@@ -184,6 +184,8 @@ def _shown(kind) -> str:
 def _push_text(group: str, shown: list[str]) -> tuple[str, list[str]]:
     """'names (Moses, Aaron)' or "'the', 'a'", cut to MAX_PUSHES_CHARS by dropping the last tokens."""
     shown = list(dict.fromkeys(shown))
+    if shown == ["line break"]:  # one line break, not "line breaks and spacing (line break)"
+        return "a line break", shown
     while True:
         listed = ", ".join(s if group else ("a line break" if s == "line break" else quote(s)) for s in shown)
         text = f"{group} ({listed})" if group else listed
