@@ -66,9 +66,9 @@ def offline(ctx, pool, labels: dict[int, str], seed: int = 0) -> dict:
     return out
 
 
-def _contexts(ctx, rows: list[int]) -> list[str]:
-    by_row = {ctx.index[(pid, e.rank)]: e for pid, card in ctx.cards.items() for e in card.evidence}
-    return [by_row[r].marked(before=24, after=4) for r in rows]
+def _evidence_by_row(ctx) -> dict:
+    """{row of ctx.vectors: its EvidenceContext}."""
+    return {ctx.index[(pid, e.rank)]: e for pid, card in ctx.cards.items() for e in card.evidence}
 
 
 def parse_fires(text: str, n: int) -> set[int]:
@@ -99,6 +99,7 @@ def llm(ctx, pool, labels: dict[int, str], complete, limit: int, seed: int = 0) 
     candidates = [p for p in sorted(labels) if p in ctx.cards and ctx.rows(p, held_out=True)]
     picked = sorted(int(p) for p in rng.choice(candidates, size=min(limit, len(candidates)), replace=False))
     pool_rows = detection.pool_rows(ctx, pool)
+    by_row = _evidence_by_row(ctx)  # once: the prompts show marked contexts of many rows
     rand_scores, sib_scores, failures = [], [], 0
     for pid in picked:
         held = ctx.rows(pid, held_out=True)
@@ -110,7 +111,7 @@ def llm(ctx, pool, labels: dict[int, str], complete, limit: int, seed: int = 0) 
         rows = [(r, "pos") for r in held] + [(r, "rand") for r in negatives] + [(r, "sib") for r in siblings]
         order = rng.permutation(len(rows))
         rows = [rows[i] for i in order]
-        texts = _contexts(ctx, [r for r, _ in rows])
+        texts = [by_row[r].marked(before=24, after=4) for r, _ in rows]
         prompt = (f"{SCORER_PROMPT}\n\nExplanation: {labels[pid]}\n\n"
                   + "\n".join(f"{i + 1}. {t}" for i, t in enumerate(texts)))
         try:
