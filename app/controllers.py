@@ -112,7 +112,7 @@ def _snippet(studio: Studio, prototype_id: int) -> str:
     if studio.db is None:
         return ""
     try:
-        evidence = studio.card(prototype_id, n_evidence=1)["evidence"]
+        evidence = studio.need_db().card(prototype_id, n_evidence=1).evidence
     except AppError:
         return ""
     if not evidence:

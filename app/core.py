@@ -1,47 +1,54 @@
-"""The app's logic without any UI: generation with per-token decomposition, side-by-side diffs, "which prototypes
-changed this token", cards, evidence and search. The Gradio layer (app/ui.py) only formats what this returns.
+"""The app's logic without any UI: generation with per-token explanations, read from one user's texts. The
+explanation itself (decomposition, alternatives, contrast, what an intervention changed) is prism/explain.py; the
+database is app/database.py; the Gradio layer (app/ui.py, app/handlers.py) only formats what this returns.
 
     studio = Studio.load("runs/m", db="out.duckdb")      # model and database shared read-only by all users
     settings = GenerationSettings("The river flows into the", max_new_tokens=20)
-    for gen in studio.stream(settings, Interventions()):  # the growing Generation, one token at a time
+    for gen in studio.stream(settings, Interventions()):  # a new, longer Generation after every token
         ...
-    view = studio.token_view(gen, index=3)                # decomposition of token 3 and its top alternatives
+    view = studio.explain(gen, index=3)                   # token 3: decomposition, alternatives, carried share
+    view = studio.explain(intervened, 3, original=gen)    # ... and what the interventions changed there (view.why)
     diff = side_by_side(original, intervened)             # per-token status, first divergence
-    why = studio.why_changed(original, intervened, diff.first_change)
 
-Cost: generation runs model.stream() and keeps per step only what it already returns (token, the effective
-prototype ids and activations, the chosen logit). A token's full decomposition needs the residual, which
-stream() does not yield, so the final states z of the whole text are computed by one forward pass the first time
-a token of that generation is selected and kept with the generation (bench/app_latency.py measures both).
+Values are immutable: stream() yields a new Generation per token and never changes one it yielded, so a session
+(app/session.py) can hold them. Cost: generation keeps per step only what model.stream() already returns (token,
+effective prototype ids and activations, the chosen logit, and z for the first limits.keep_states_tokens tokens);
+a token past those needs the final states of the whole text, computed by one forward pass on first selection and
+kept beside the generation (not in it) while it lives (bench/app_latency.py measures both).
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import threading
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import duckdb
 import torch
 
 from app import limits
-from app.database import UNLABELLED, Database
+from app.database import NEVER_ACTIVE, UNLABELLED, Database, check_prototype, filters  # noqa: F401 (re-exported)
 from app.errors import AppError
+from app.generation import (  # noqa: F401 (re-exported: the app's values live there)
+    Generation,
+    GenerationSettings,
+    Step,
+    rerouted_summary,
+    same_settings,
+    side_by_side,
+)
 from app.limits import Limits
-from precompute import query
-from precompute.query import UnknownPrototype
 from prism import Interventions, PrismForCausalLM
 from prism.backbones import load_tokenizer
-from prism.explain import Carried, Diff, token_diff
-from prism.model import changed_selection
+from prism.explain import Carried, Change, explain_token
+from prism.interventions import changed_selection, restrict  # noqa: F401 (restrict re-exported for the app)
 
 logger = logging.getLogger(__name__)
 
 NO_PROTOTYPE = "no prototype active"  # a token's colour when no prototype fired for it (not a category)
-NEVER_ACTIVE = "never active"  # a browser filter: prototypes with no activation in the corpus (dead)
-MAX_QUERY_CHARS = 200
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**32 - 1  # torch and numpy both take seeds in this range
 BUILD_HINT = ("No precompute database is loaded, so there are no labels, categories or evidence. Build one with "
@@ -50,59 +57,7 @@ BUILD_HINT = ("No precompute database is loaded, so there are no labels, categor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Values: settings, one generation, one token's view.
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    prompt: str
-    max_new_tokens: int = 24
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def do_sample(self) -> bool:
-        return self.temperature > 0
-
-
-@dataclass
-class Step:
-    """One generated token and the prototypes that produced it (effective, after interventions)."""
-
-    token_id: int
-    text: str
-    prototype_ids: list[int]  # ordered by activation, only those > 0
-    activations: list[float]
-    logit: float  # the logit of the token in the distribution it was chosen from
-    rerouted_ids: list[int] = field(default_factory=list)  # prototypes that re-routing brought in at this token
-    # (d,) z at the position that chose the token, from the generation's own forward (kept for the first
-    # limits.keep_states_tokens tokens): a click decomposes it without running the model again
-    state: torch.Tensor | None = field(default=None, repr=False, compare=False)
-
-
-@dataclass
-class Generation:
-    settings: GenerationSettings
-    interventions: Interventions
-    prompt_ids: list[int]
-    prompt_text: str
-    steps: list[Step] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # e.g. the prompt was truncated
-    finished: bool = False  # True once generation ended (end of text or max new tokens), False while streaming
-    z: torch.Tensor | None = None  # (T, d) final states of prompt + tokens[:-1], computed on first selection
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [s.token_id for s in self.steps]
-
-    @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.steps)
-
-    def input_ids(self, upto: int | None = None) -> torch.Tensor:
-        """prompt + generated tokens [:upto], (1, T)."""
-        return torch.tensor([self.prompt_ids + self.token_ids[:upto]])
+# Values: one token's view (the generation's values are app/generation.py).
 
 
 @dataclass
@@ -137,23 +92,9 @@ class TokenDecomposition:
 
 
 @dataclass
-class TokenView:
-    index: int  # generated-token index
-    position: int  # sequence position whose logits chose the token
-    chosen: TokenDecomposition
-    alternatives: list[TokenDecomposition]  # the top tokens at that position, chosen one included, by logit
-    stream_logit: float  # the logit stream() chose the token from (KV-cached; equal up to float noise)
-    carried: Carried | None = None  # None when the two logits tie (no choice to share out)
-
-    def as_dict(self) -> dict:
-        return {"index": self.index, "position": self.position, "stream_logit": self.stream_logit,
-                "chosen": self.chosen.as_dict(), "alternatives": [a.as_dict() for a in self.alternatives],
-                "carried": self.carried.as_dict() if self.carried else None}
-
-
-@dataclass
 class WhyChanged:
-    """Why the intervened text has token `new` where `reference` would have been written."""
+    """Why the intervened text has token `new` where `reference` would have been written (prism.explain.Change,
+    with labels and a sentence)."""
 
     index: int
     new_token: str
@@ -168,12 +109,20 @@ class WhyChanged:
         return dict(self.__dict__)
 
 
-def _clean_query(text: str) -> str:
-    """A search string as the database sees it: printable characters only, at most MAX_QUERY_CHARS."""
-    text = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()
-    if not text:
-        raise AppError("type something to search for")
-    return text[:MAX_QUERY_CHARS]
+@dataclass
+class TokenView:
+    index: int  # generated-token index
+    position: int  # sequence position whose logits chose the token
+    chosen: TokenDecomposition
+    alternatives: list[TokenDecomposition]  # the top tokens at that position, chosen one included, by logit
+    stream_logit: float  # the logit stream() chose the token from (KV-cached; equal up to float noise)
+    carried: Carried | None = None  # None when the two logits tie (no choice to share out)
+    why: WhyChanged | None = None  # for a token of an intervened text explained against the original
+
+    def as_dict(self) -> dict:
+        return {"index": self.index, "position": self.position, "stream_logit": self.stream_logit,
+                "chosen": self.chosen.as_dict(), "alternatives": [a.as_dict() for a in self.alternatives],
+                "carried": self.carried.as_dict() if self.carried else None}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -191,7 +140,9 @@ class Studio:
         self.n_prototypes = model.config.n_prototypes
         # Generation ends at the tokenizer's end-of-text and other special tokens (none is ever shown as text).
         self.stop_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
-        self._map_points: list[dict] | None = None
+        # final states of texts past limits.keep_states_tokens steps, kept beside their generation while it lives
+        self._states: weakref.WeakKeyDictionary[Generation, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._states_lock = threading.Lock()
         if db is not None and len(db.labels) != self.n_prototypes:
             self.db_error = (f"{db.path} describes {len(db.labels)} prototypes but the model has "
                              f"{self.n_prototypes}: it was built for another model, so it is not used")
@@ -212,7 +163,7 @@ class Studio:
                 logger.warning(error)
         return cls(model, tokenizer, database, error, limits)
 
-    # -- labels -----------------------------------------------------------------------------------------------
+    # -- labels and the database ------------------------------------------------------------------------------
 
     def label(self, prototype_id: int) -> tuple[str, str]:
         """(label, category) of a prototype; ("", "unlabelled") without a database."""
@@ -221,16 +172,21 @@ class Studio:
         return self.db.labels.get(int(prototype_id), ("", UNLABELLED))
 
     def check_prototype(self, prototype_id) -> int:
-        if isinstance(prototype_id, str):
-            prototype_id = prototype_id.strip()
-            if not prototype_id.lstrip("-").isdigit():
-                raise AppError(f"a prototype id is a whole number, got {prototype_id[:40]!r}")
-        x = limits.number("a prototype id", prototype_id, -math.inf, math.inf)
-        if x != int(x):
-            raise AppError(f"a prototype id is a whole number, got {x:g}")
-        if not 0 <= x < self.n_prototypes:
-            raise AppError(f"no prototype {x:.0f}: this model has prototypes 0..{self.n_prototypes - 1}")
-        return int(x)
+        return check_prototype(prototype_id, self.n_prototypes)
+
+    def need_db(self) -> Database:
+        """The database, or AppError saying how to build one."""
+        if self.db is None:
+            raise AppError(BUILD_HINT if self.db_error is None else f"{self.db_error}. {BUILD_HINT}")
+        return self.db
+
+    def filters(self) -> list[str]:
+        """The browser's category filter (app/database.py filters), with or without a database."""
+        return filters(self.db)
+
+    def presets(self) -> list[dict]:
+        """The database's presets, [] without one."""
+        return self.db.presets() if self.db is not None else []
 
     # -- generation -------------------------------------------------------------------------------------------
 
@@ -275,7 +231,7 @@ class Studio:
 
     def stream(self, settings: GenerationSettings, interventions: Interventions | None = None,
                ) -> Iterator[Generation]:
-        """Generate with model.stream(), yielding the growing Generation after every token."""
+        """Generate with model.stream(), yielding a new, one token longer Generation after every token."""
         interventions = interventions or Interventions()
         try:
             interventions.check(self.n_prototypes)
@@ -283,17 +239,16 @@ class Studio:
             raise AppError(str(err)) from None
         settings = self.check_settings(settings)
         ids, max_new, notes = self.encode_prompt(settings)
-        gen = Generation(settings=settings, interventions=interventions, prompt_ids=ids,
-                         prompt_text=self.tokenizer.decode(ids), notes=notes)
+        gen = Generation(settings=settings, interventions=interventions, prompt_ids=tuple(ids),
+                         prompt_text=self.tokenizer.decode(ids), notes=tuple(notes))
         input_ids = torch.tensor([ids])  # (1, T)
         for step in self.model.stream(input_ids, max_new, interventions=interventions,
                                       do_sample=settings.do_sample, temperature=settings.temperature or 1.0,
                                       top_p=settings.top_p, seed=settings.seed):
             token = int(step.token_ids[0])
             if token in self.stop_ids:  # end of text: stop there, and never show a special token as text
-                gen.notes.append(f"the model ended the text after {len(gen.steps)} token(s)")
-                gen.finished = True
-                yield gen
+                yield replace(gen, finished=True,
+                              notes=(*gen.notes, f"the model ended the text after {len(gen.steps)} token(s)"))
                 return
             rerouted: list[int] = []
             if step.used_prototype_ids is None:
@@ -305,12 +260,10 @@ class Studio:
             pids, acts = pids[keep], acts[keep]
             order = acts.argsort(descending=True)
             kept = step.state is not None and len(gen.steps) < self.limits.keep_states_tokens
-            gen.steps.append(Step(token_id=token, text=self.tokenizer.decode([token]),
-                                  prototype_ids=pids[order].tolist(), activations=acts[order].tolist(),
-                                  logit=float(step.logits[0, token]), rerouted_ids=rerouted,
-                                  state=step.state[0].clone() if kept else None))
-            if len(gen.steps) == max_new:
-                gen.finished = True
+            new = Step(token_id=token, text=self.tokenizer.decode([token]), prototype_ids=pids[order].tolist(),
+                       activations=acts[order].tolist(), logit=float(step.logits[0, token]), rerouted_ids=rerouted,
+                       state=step.state[0].clone() if kept else None)
+            gen = replace(gen, steps=(*gen.steps, new), finished=len(gen.steps) + 1 == max_new)
             yield gen
 
     def generate(self, settings: GenerationSettings, interventions: Interventions | None = None) -> Generation:
@@ -322,20 +275,23 @@ class Studio:
     def top_category(self, step: Step) -> str:
         return self.label(step.prototype_ids[0])[1] if step.prototype_ids else NO_PROTOTYPE
 
-    # -- decomposition ----------------------------------------------------------------------------------------
+    # -- one token explained ----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def final_states(self, gen: Generation) -> torch.Tensor:
-        """z (T, d) for prompt + tokens[:-1] (one forward pass). Kept on the generation while it is at most
+        """z (T, d) for prompt + tokens[:-1] (one forward pass). Kept beside the generation while it is at most
         limits.keep_states_tokens long, so the next click is fast; a longer one is recomputed on every click, so a
         session never holds more than that many states per text."""
         n = len(gen.prompt_ids) + len(gen.steps) - 1
-        if gen.z is not None and gen.z.shape[0] >= n:
-            return gen.z
-        z, _ = self.model.final_states(gen.input_ids(len(gen.steps) - 1))
+        with self._states_lock:
+            z = self._states.get(gen)
+        if z is not None and z.shape[0] >= n:
+            return z
+        z = self.model.final_states(gen.input_ids(len(gen.steps) - 1))[0][0]
         if n <= self.limits.keep_states_tokens:
-            gen.z = z[0]
-        return z[0]
+            with self._states_lock:
+                self._states[gen] = z
+        return z
 
     def state(self, gen: Generation, index: int) -> torch.Tensor:
         """z (d,) at the position that chose generated token `index`: the state the generation itself computed
@@ -352,235 +308,71 @@ class Studio:
             raise AppError(f"there is no generated token {index}: this text has {len(gen.steps)}")
         return index, len(gen.prompt_ids) + index - 1
 
-    @torch.no_grad()
+    def explain(self, gen: Generation, index, original: Generation | None = None,
+                n_alternatives: int = 5) -> TokenView:
+        """Generated token `index` of gen explained by one call into the library (prism.explain.explain_token):
+        its decomposition, the top alternatives, the share carried over the runner-up and, with `original` (gen
+        then being the intervened text), why the interventions changed it (view.why)."""
+        index, position = self.token_position(gen, index)
+        step = gen.steps[index]
+        against = None if original is None else (original.token_ids, gen.token_ids, index)
+        ex = explain_token(self.model, self.state(gen, index), step.token_id, gen.interventions, n_alternatives,
+                           against=against, decode=self.decode)
+        views = {d.token_id: self._decomposition(d) for d in ex.alternatives}
+        return TokenView(index=index, position=position, chosen=views[step.token_id],
+                         alternatives=list(views.values()), stream_logit=step.logit, carried=ex.carried,
+                         why=None if ex.change is None else self._why(index, ex.change))
+
     def token_view(self, gen: Generation, index: int, n_alternatives: int = 5) -> TokenView:
         """Decomposition of generated token `index` and of the top alternatives at its position."""
-        index, position = self.token_position(gen, index)
-        z = self.state(gen, index)[None, None]  # (1, 1, d)
-        out = self.model.head(z, gen.interventions)
-        logits = out.logits[0, 0]  # (V,)
-        chosen = gen.steps[index].token_id
-        top = [int(t) for t in logits.topk(min(n_alternatives, logits.shape[0])).indices]
-        tokens = [chosen] + [t for t in top if t != chosen]
-        tokens = sorted(tokens, key=lambda t: -float(logits[t]))
-        decs = self.model.decompose_output(out, 0, tokens)
-        views = {d.token_id: self._decomposition(d) for d in decs}
-        runner = next((d for d in decs if d.token_id != chosen), None)  # decs are in logit order
-        carried = runner and Carried.of(next(d for d in decs if d.token_id == chosen), runner,
-                                        views[runner.token_id].token)
-        return TokenView(index=index, position=position, chosen=views[chosen],
-                         alternatives=[views[t] for t in tokens], stream_logit=gen.steps[index].logit,
-                         carried=carried)
+        return self.explain(gen, index, n_alternatives=n_alternatives)
+
+    def why_changed(self, original: Generation, intervened: Generation, index: int) -> WhyChanged:
+        """Which of the intervened prototypes made the intervened text write token `index` (prism.explain.Change:
+        the reference is what the model without interventions writes at the same place after the same text; the
+        effects add up exactly to the change of logit(new) - logit(reference); the flip set is the shortest run of
+        the strongest effects whose intervention alone makes the model stop writing the reference)."""
+        return self.explain(intervened, index, original=original).why
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)])
 
     def _decomposition(self, d) -> TokenDecomposition:
-        slices = []
-        for pid, act, contribution in zip(d.prototype_ids, d.activations, d.contributions):
-            label, category = self.label(pid)
-            slices.append(Slice(pid, label, category, act, contribution))
-        return TokenDecomposition(token_id=d.token_id, token=self.tokenizer.decode([d.token_id]), logit=d.logit,
+        slices = [Slice(pid, *self.label(pid), act, contribution)
+                  for pid, act, contribution in zip(d.prototype_ids, d.activations, d.contributions)]
+        return TokenDecomposition(token_id=d.token_id, token=self.decode(d.token_id), logit=d.logit,
                                   residual=d.residual, slices=slices, removed_ids=d.removed_ids,
                                   rerouted_ids=d.rerouted_ids)
 
-    # -- what an intervention changed -------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def why_changed(self, original: Generation, intervened: Generation, index: int) -> WhyChanged:
-        """Which of the intervened prototypes made the intervened text write token `index`.
-
-        The reference is what the model without interventions writes at the same place after the same text:
-        the original token at the first change, else the plain model's top token on the intervened prefix. Each
-        intervened prototype active there gets its effect on logit(new) - logit(reference) (the effects add up
-        exactly to the change of that margin); the flip set is the shortest run of the strongest effects whose
-        intervention alone makes the model (greedy) stop writing the reference token.
-        """
-        index, position = self.token_position(intervened, index)
-        diff = side_by_side(original, intervened)
-        new = intervened.steps[index].token_id
-        z = self.state(intervened, index)[None, None]  # (1, 1, d)
-        plain = self.model.head(z)
-        if diff.first_change is None or index < diff.first_change:
-            return WhyChanged(index, self.tokenizer.decode([new]), None,
-                              "this token is the same in both texts", [], [])
-        reference = original.steps[index].token_id if index == diff.first_change else \
-            int(plain.logits[0, 0].argmax())
-        if reference == new:
-            return WhyChanged(index, self.tokenizer.decode([new]), None,
-                              "the interventions did not change this token directly: without them the model would "
-                              "write the same token here; it differs from the original because the text before "
-                              "it differs", [], [])
-        ids, acts = plain.prototype_ids[0, 0], plain.activations[0, 0]  # (k,) the model's own
-        used = self.model.head(z, intervened.interventions)
-        new_ids, new_acts = used.used_prototype_ids[0, 0], used.used_activations[0, 0]  # (k',) what it used
-        # Every prototype whose activation differs, own or re-routed: z' - z = sum_p (a'_p - a_p) p_p exactly, so
-        # these effects add up to the change of logit(new) - logit(ref).
-        change: dict[int, float] = {}
-        for pid, a in zip(ids.tolist(), acts.tolist()):
-            change[pid] = change.get(pid, 0.0) - a
-        for pid, a in zip(new_ids.tolist(), new_acts.tolist()):
-            change[pid] = change.get(pid, 0.0) + a
-        moved = torch.tensor([p for p, c in change.items() if c != 0], dtype=torch.long)
-        rows = self.model.lm_head.weight[[new, reference]]  # (2, d)
-        signature = rows @ self.model.prototypes.weight[moved].T  # (2, n)
-        effects = {p: change[p] * float(signature[0, n] - signature[1, n]) for n, p in enumerate(moved.tolist())}
-        _, replacing = changed_selection(ids, acts, new_ids, new_acts)
-        ordered = sorted(effects, key=lambda p: -effects[p])
-        flip_set: list[int] = []
-        for pid in (p for p in ordered if p not in replacing):  # only what the user intervened on can be undone
-            if effects[pid] <= 0:
-                break
-            flip_set.append(pid)
-            logits = self.model.head(z, restrict(intervened.interventions, set(flip_set))).logits[0, 0]
-            if int(logits.argmax()) != reference:
-                break
-        else:
-            flip_set = []
-        if flip_set and int(self.model.head(z, restrict(intervened.interventions, set(flip_set)))
-                            .logits[0, 0].argmax()) == reference:
-            flip_set = []
-        ref_text = self.tokenizer.decode([reference])
-        if not effects:
+    def _why(self, index: int, change: Change) -> WhyChanged:
+        """A Change with labels and a sentence."""
+        new = self.decode(change.new)
+        if change.kind == "same":
+            return WhyChanged(index, new, None, "this token is the same in both texts", [], [])
+        if change.kind == "indirect":
+            return WhyChanged(index, new, None, "the interventions did not change this token directly: without "
+                              "them the model would write the same token here; it differs from the original "
+                              "because the text before it differs", [], [])
+        ref_text = self.decode(change.reference)
+        if not change.effects:
             message = "no intervened prototype is active here"
-        elif flip_set:
+        elif change.flip_set:
             message = (f"without the interventions the model writes {ref_text!r} here; intervening on "
-                       f"{', '.join(f'#{p}' for p in flip_set)} alone is enough to change that")
+                       f"{', '.join(f'#{p}' for p in change.flip_set)} alone is enough to change that")
         else:
             message = (f"without the interventions the model writes {ref_text!r} here; no subset of the "
                        "intervened prototypes flips the greedy choice on its own (the token was sampled)")
-        if replacing:
+        if change.replacing:
             message += ("; the suppressed prototypes' slots were re-routed to "
-                        + ", ".join(f"#{p} {self.label(p)[0]!r}".replace(" ''", "") for p in replacing))
-        describe = lambda p: {"prototype_id": p, "label": self.label(p)[0], "category": self.label(p)[1],  # noqa: E731
-                              "effect": effects[p], "role": "replacement" if p in replacing else "intervened"}
-        return WhyChanged(
-            index=index, new_token=self.tokenizer.decode([new]), reference_token=ref_text, message=message,
-            effects=[describe(p) for p in ordered], flip_set=flip_set,
-            replacements=[describe(p) | {"activation": float(new_acts[new_ids == p].sum())} for p in replacing])
+                        + ", ".join(f"#{p} {self.label(p)[0]!r}".replace(" ''", "") for p in change.replacing))
 
-    # -- the database -----------------------------------------------------------------------------------------
+        def describe(p: int, effect: float) -> dict:
+            label, category = self.label(p)
+            return {"prototype_id": p, "label": label, "category": category, "effect": effect,
+                    "role": "replacement" if p in change.replacing else "intervened"}
 
-    def need_db(self) -> Database:
-        """The database, or AppError saying how to build one."""
-        if self.db is None:
-            raise AppError(BUILD_HINT if self.db_error is None else f"{self.db_error}. {BUILD_HINT}")
-        return self.db
-
-    def card(self, prototype_id, n_evidence: int = 6) -> dict:
-        """A prototype card (label, scores, stats, histogram, signature, co-active, siblings) and its evidence."""
-        pid = self.check_prototype(prototype_id)
-        db = self.need_db()
-        try:
-            card = db.run(query.prototype_card, pid)
-            card["evidence"] = db.run(query.evidence, pid, limit=n_evidence)
-            card["siblings"] = db.run(query.siblings, pid)
-        except UnknownPrototype as err:
-            raise AppError(str(err)) from None
-        return card
-
-    def search(self, text: str, mode: str = "label", k: int = 50) -> list[dict]:
-        """Label (substring) or semantic search (labels, predictions and whatever evidence embeddings the database
-        holds; the best match of each prototype, nearest first, none left out); rows {prototype_id, label, category,
-        score} and, for semantic search, matched (the kind of the best match)."""
-        db = self.need_db()
-        needle = _clean_query(text)
-        from precompute.search import label_search, semantic_search
-
-        if mode == "label":
-            rows = db.run(label_search, needle, k=k)
-            return [{"prototype_id": r["prototype_id"], "label": r["label"], "category": r["category"],
-                     "score": r["label_score"]} for r in rows]
-        if mode == "semantic":
-            if not db.has_embeddings:
-                raise AppError("this database has no search embeddings: run `python -m precompute.search --db DB`")
-            rows = db.run(semantic_search, needle, k=k, kind="all")
-            return [{"prototype_id": r["prototype_id"], "label": r["label"], "category": r["category"],
-                     "score": r["score"], "matched": r["kind"]} for r in rows]
-        raise AppError(f"search mode must be 'label' or 'semantic', got {mode!r}")
-
-    def filters(self) -> list[str]:
-        """What the browser's category filter offers: the database's categories, then 'unlabelled' (no label) and
-        'never active' (no activation in the corpus) whether or not any prototype is in them."""
-        categories = self.db.categories if self.db is not None else []
-        return [*categories, *(f for f in (UNLABELLED, NEVER_ACTIVE) if f not in categories)]
-
-    def table(self, category: str | None = None, order_by: str = "activation_count") -> list[dict]:
-        """Every prototype of the database (or of one category / filter), sorted."""
-        db = self.need_db()
-        if category and category not in self.filters():
-            raise AppError(f"unknown category {category!r}: one of {', '.join(self.filters())}")
-        if order_by not in query.ORDERINGS:
-            raise AppError(f"sort by one of {', '.join(query.ORDERINGS)}, got {order_by!r}")
-        if category in (UNLABELLED, NEVER_ACTIVE):
-            rows = db.run(query.prototype_table, order_by=order_by)
-            if category == UNLABELLED:
-                return [r for r in rows if not r["label"] or r["category"] in (None, UNLABELLED)]
-            return [r for r in rows if not r["activation_count"]]
-        return db.run(query.prototype_table, category=category or None, order_by=order_by)
-
-    def category_ids(self, category: str) -> list[int]:
-        db = self.need_db()
-        ids = [p for p, (_, c) in db.labels.items() if c == category]
-        if not ids:
-            raise AppError(f"no prototype has category {category!r}")
-        return sorted(ids)
-
-    def presets(self) -> list[dict]:
-        """The database's intervention presets that hold prototypes: [{name, title, description, n}]."""
-        if self.db is None:
-            return []
-        from precompute.presets import PRESETS
-
-        try:
-            counts = dict(self.db.run(lambda c: c.execute(
-                "SELECT name, count(*) FROM presets GROUP BY name").fetchall()))
-        except duckdb.Error:  # a database built before presets existed
-            return []
-        return [{"name": name, "title": spec.title, "description": spec.description, "n": counts[name]}
-                for name, spec in PRESETS.items() if counts.get(name)]
-
-    def preset_ids(self, name: str) -> tuple[str, list[int]]:
-        """(title, prototype ids) of a preset, by name or title."""
-        for preset in self.presets():
-            if str(name) in (preset["name"], preset["title"]):
-                rows = self.db.run(lambda c, key: c.execute(
-                    "SELECT prototype_id FROM presets WHERE name = ? ORDER BY 1", [key]).fetchall(), preset["name"])
-                return preset["title"], [r[0] for r in rows]
-        known = ", ".join(p["name"] for p in self.presets()) or "none in this database"
-        raise AppError(f"no preset {str(name)[:60]!r}; presets: {known}")
-
-    def map_points(self) -> list[dict]:
-        """The map's points, read once: the database is read-only and the map follows every search and card."""
-        if self._map_points is None:
-            self._map_points = self.need_db().run(query.map_points)
-        return self._map_points
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pure helpers.
-
-
-def restrict(interventions: Interventions, ids: set[int]) -> Interventions:
-    """The part of `interventions` that concerns the prototypes in ids (a controller's part included)."""
-    controller = interventions.controller
-    return Interventions(suppress=frozenset(interventions.suppress & ids),
-                         scale={p: f for p, f in interventions.scale.items() if p in ids},
-                         inject={p: a for p, a in interventions.inject.items() if p in ids},
-                         controller=None if controller is None else controller.restricted(ids),
-                         suppress_mode=interventions.suppress_mode)
-
-
-def side_by_side(original: Generation, intervened: Generation) -> Diff:
-    """The intervened text's tokens against the original's (prism.explain.token_diff)."""
-    return token_diff(original.token_ids, intervened.token_ids)
-
-
-def rerouted_summary(gen: Generation, top: int = 5) -> list[tuple[int, int]]:
-    """[(prototype_id, number of tokens)] of the prototypes re-routing brought in most often in a generation."""
-    counts: dict[int, int] = {}
-    for step in gen.steps:
-        for pid in step.rerouted_ids:
-            counts[pid] = counts.get(pid, 0) + 1
-    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
-
-
-def same_settings(gen: Generation | None, settings: GenerationSettings) -> bool:
-    return gen is not None and gen.settings == settings
+        effects = dict(change.effects)
+        return WhyChanged(index=index, new_token=new, reference_token=ref_text, message=message,
+                          effects=[describe(p, e) for p, e in change.effects], flip_set=change.flip_set,
+                          replacements=[describe(p, effects[p]) | {"activation": a}
+                                        for p, a in change.replacing.items()])

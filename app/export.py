@@ -58,17 +58,17 @@ def _run(studio: Studio, gen: Generation) -> dict:
 
 def table_frame(studio: Studio) -> pd.DataFrame:
     """Every prototype of the database, in id order, with the columns the database has."""
-    rows = studio.table(order_by="prototype_id")
+    rows = studio.need_db().table(order_by="prototype_id")
     return pd.DataFrame(rows)
 
 
 def evidence_frame(studio: Studio, prototype_id) -> pd.DataFrame:
     """A prototype's evidence rows (at most MAX_EVIDENCE) with the context as plain text, the token in [brackets]."""
-    card = studio.card(prototype_id, n_evidence=MAX_EVIDENCE)
+    card = studio.need_db().card(prototype_id, n_evidence=MAX_EVIDENCE)
     rows = []
-    for e in card["evidence"]:
+    for e in card.evidence:
         context = "".join(f"[{s['text']}]" if s["target"] else s["text"] for s in e["segments"])
-        rows.append({"prototype_id": card["prototype_id"], "rank": e["rank"], "activation": e["activation"],
+        rows.append({"prototype_id": card.prototype_id, "rank": e["rank"], "activation": e["activation"],
                      "token": e["token"], "context": context, "doc_id": e["doc_id"], "source": e["source"],
                      "title": e["title"], "url": e["url"], "error": e["error"]})
     return pd.DataFrame(rows, columns=["prototype_id", "rank", "activation", "token", "context", "doc_id", "source",

@@ -38,6 +38,15 @@ from app.core import (
     side_by_side,
 )
 from app.messages import guarded, ok, problem
+from app.panels import (
+    CardPanel,
+    ClearPanel,
+    GenerationPanel,
+    PendingPanel,
+    RestorePanel,
+    TokenPanel,
+    skipped,
+)
 from app.session import Session
 
 logger = logging.getLogger(__name__)
@@ -120,7 +129,8 @@ def _settings(studio: Studio, prompt, max_new_tokens, temperature, top_p, seed) 
 def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
              session: Session, control: RunControl | None = None):
     """Stream the original continuation and, when the session has interventions, the intervened one beside it
-    (same settings and seed). Yields (original, intervened, status, intervened column title, session, result): the
+    (same settings and seed). Yields GenerationPanel (both texts, status, the intervened column's title, session,
+    result): the
     session already holds the growing texts, so a token can be explained while the rest is written; after
     control.stop() the run ends after the current token and keeps what it wrote."""
     run = control.start() if control is not None else None
@@ -151,19 +161,20 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
             status = _generation_status(studio, current)
             session = replace(session, original=current["original"], intervened=current["intervened"],
                               selected=None)
-            yield (_highlights(studio, current["original"]), _highlights(studio, current["intervened"]), status,
-                   column, session, None)
+            yield GenerationPanel(_highlights(studio, current["original"]), _highlights(studio, current["intervened"]),
+                                  status, column, session, None)
     except AppError as err:
-        yield [], [], problem(err), INTERVENED_TITLE, session, None
+        yield GenerationPanel([], [], problem(err), INTERVENED_TITLE, session, None)
         return
     original, intervened = current["original"], current["intervened"]
     if original is None and not stopped:  # nothing streamed: the stored original is reused, no interventions
         original = session.original
     diff = side_by_side(original, intervened) if original is not None and intervened is not None else None
     session = replace(session, original=original, intervened=intervened, selected=None)
-    yield (_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-           _generation_status(studio, {"original": original, "intervened": intervened}, diff, done=True,
-                              stopped=stopped), column, session, _result(original, intervened, diff))
+    yield GenerationPanel(_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
+                          _generation_status(studio, {"original": original, "intervened": intervened}, diff,
+                                             done=True, stopped=stopped), column, session,
+                          _result(original, intervened, diff))
 
 
 def _result(original: Generation | None, intervened: Generation | None, diff=None) -> dict:
@@ -233,8 +244,8 @@ def select_intervened(evt: gr.SelectData):
 
 @guarded
 def decompose(studio: Studio, run: str, index: float, session: Session):
-    """The decomposition of one generated token: waterfall, alternatives, summary, active prototypes, the top
-    prototype's id (to open its card), session and the data as JSON."""
+    """The explanation of one generated token (TokenPanel: waterfall, alternatives, summary, active prototypes, the
+    top prototype's id to open its card, session, the data as JSON), from one call into the library."""
     try:
         if run not in RUNS:
             raise AppError(f"run must be 'original' or 'intervened', got {run!r}")
@@ -242,32 +253,28 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
         if gen is None:
             raise AppError("generate first" if run == "original" else
                            "there is no intervened text: add an intervention and generate again")
-        view = studio.token_view(gen, index)
-        why = None
-        if run == "intervened" and session.original is not None:
-            why = studio.why_changed(session.original, gen, view.index)
+        view = studio.explain(gen, index, original=session.original if run == "intervened" else None)
     except AppError as err:
         empty = plots.empty_figure(str(err))
-        return empty, empty, problem(err), [], None, session, None
+        return TokenPanel(empty, empty, problem(err), [], None, session, None)
+    why = view.why
     session = replace(session, selected=(run, view.index))
     rows = [[s.prototype_id, s.label, s.category, round(s.activation, 4), round(s.contribution, 4)]
             for s in view.chosen.slices]
     top = view.chosen.slices[0].prototype_id if view.chosen.slices else None
     data = view.as_dict()
     data["why_changed"] = why.as_dict() if why else None
-    return (plots.decomposition_figure(view.chosen, view.carried), plots.alternatives_figure(view),
-            _token_summary(view, why),
-            rows, top, session, data)
+    return TokenPanel(plots.decomposition_figure(view.chosen, view.carried), plots.alternatives_figure(view),
+                      _token_summary(view, why), rows, top, session, data)
 
 
 @guarded
 def clear_explanation():
-    """A new generation empties the explanation panel: it described a token of the previous text. Returns the
-    panel's outputs (plots, summary, rows, data, training-data panel and its data) and the status line. It runs
-    outside the queue, before the generation starts, so the old explanation is gone at once."""
+    """A new generation empties the explanation panel: it described a token of the previous text (ClearPanel). It
+    runs outside the queue, before the generation starts, so the old explanation is gone at once."""
     empty = plots.empty_figure("click a token of the new text")
-    return (empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION, None,
-            "Generating…")
+    return ClearPanel(empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION,
+                      None, "Generating…")
 
 
 @guarded
@@ -337,54 +344,24 @@ def _token_summary(view: TokenView, why) -> str:
 
 @guarded
 def prototype(studio: Studio, prototype_id: float | str | None):
-    """A prototype's card: (markdown, signature plot, histogram plot, evidence html, card json)."""
+    """A prototype's card (CardPanel: markdown, signature plot, histogram plot, evidence html, card json)."""
     try:
         if prototype_id is None or str(prototype_id).strip() == "":
             empty = plots.empty_figure("no prototype selected")
-            return "Pick a prototype: click a token, a table row or a point on the map.", empty, empty, "", None
-        card = studio.card(prototype_id)
+            return CardPanel("Pick a prototype: click a token, a table row or a point on the map.", empty, empty, "",
+                             None)
+        card = studio.need_db().card(prototype_id)
     except AppError as err:
         empty = plots.empty_figure("no card")
-        return problem(err), empty, empty, "", None
-    md = (f"### #{card['prototype_id']} {html.escape(card['label'] or '(no label)')}\n"
-          f"**{html.escape(card['category'] or 'unlabelled')}**"
-          + (f" · {html.escape(card['topic'])}" if card.get("topic") else "") + "  \n")
-    if card.get("fires_on") or card.get("pushes"):
-        md += (f"- **fires on** {html.escape(card.get('fires_on') or '(not said)')}\n"
-               f"- **pushes the next token toward** {html.escape(card.get('pushes') or '(not said)')}\n\n")
-    if card.get("detection_random") is not None:
-        md += (f"detection {_shown_score(card['detection_random'])} vs random · "
-               f"{_shown_score(card.get('detection_sibling'))} vs siblings · ")
-    md += (f"label score {_shown_score(card['label_score'])}"
-           f" · sibling score {_shown_score(card.get('sibling_score'))} · active on "
-           f"{card['activation_count'] or 0} corpus tokens, mean activation {card['mean_activation'] or 0:.3f}, "
-           f"max {card['max_activation'] or 0:.3f}  \n"
-           f"<small>Every score is held out: the label was written from other evidence of this prototype. "
-           + ("Detection is a balanced accuracy (0.5 = chance, 1 = always right): given the label, tell this "
-              "prototype's contexts from random ones, or from its siblings' (the prototypes on the same tokens). "
-              if card.get("detection_random") is not None else "")
-           + "Label and sibling score read like an AUROC: 0.5 = the label says nothing, 1 = it singles the "
-             "prototype out, against random other prototypes' contexts or against its siblings' only.</small>")
-    if card.get("siblings"):
-        md += "\n\n**Siblings** (same tokens; what separates them):\n" + "\n".join(
-            f"- #{s['prototype_id']} {html.escape(s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
-            f"{', sibling score ' + _shown_score(s['sibling_score']) if s.get('sibling_score') is not None else ''})"
-            + (f": {html.escape(s['separation'])}" if s.get("separation") else "")
-            for s in card["siblings"][:6])
-    if card["coactive"]:
-        md += "\n\nOften active with: " + ", ".join(
-            f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card["coactive"][:5])
-    evidence = "".join(render.evidence_html(e) for e in card["evidence"]) or \
+        return CardPanel(problem(err), empty, empty, "", None)
+    md = render.card_markdown(card)
+    evidence = "".join(render.evidence_html(e) for e in card.evidence) or \
         "<p>No evidence rows for this prototype.</p>"
-    data = {k: v for k, v in card.items() if k not in ("evidence",)}
+    data = card.as_dict()
     data["evidence"] = [{k: e[k] for k in ("rank", "doc_id", "activation", "token", "url", "title", "source")}
-                        for e in card["evidence"]]
-    return md, plots.signature_figure(card), plots.histogram_figure(card), evidence, json.loads(
-        json.dumps(data, default=float))
-
-
-def _shown_score(x) -> str:
-    return "n/a" if x is None else f"{float(x):.3f}"
+                        for e in card.evidence]
+    return CardPanel(md, plots.signature_figure(card), plots.histogram_figure(card), evidence,
+                     json.loads(json.dumps(data, default=float)))
 
 
 def _score(x) -> float | None:
@@ -402,13 +379,13 @@ def search(studio: Studio, text: str, mode: str, category: str, order: str):
         category = None if category in (None, "", "all") else category
         if order not in ORDERINGS:
             raise AppError(f"sort by one of {', '.join(ORDERINGS)}, got {order!r}")
-        listed = studio.table(category, "prototype_id")
+        listed = studio.need_db().table(category, "prototype_id")
         if not (text or "").strip():
             rows = [{**r, "similarity": None} for r in listed]
             found = f"{len(rows)} prototype(s)" + (f" in {category}" if category else "")
         else:
             kind = "semantic" if mode == "semantic" else "label"
-            results = studio.search(text, kind, k=studio.n_prototypes)
+            results = studio.need_db().search(text, kind, k=studio.n_prototypes)
             by_id = {r["prototype_id"]: r for r in listed}
             results = [r for r in results if r["prototype_id"] in by_id]
             nearest = False
@@ -451,7 +428,7 @@ def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = Non
             highlight = {int(i) for i in ids if str(i).strip().lstrip("-").isdigit()}
         selected = int(card["prototype_id"]) if isinstance(card, dict) and "prototype_id" in card else None
         category = None if category in (None, "", "all") else category
-        return plots.map_figure(studio.map_points(), highlight, selected, category)
+        return plots.map_figure(studio.need_db().map_points(), highlight, selected, category)
     except AppError as err:
         return plots.empty_figure(str(err))
 
@@ -500,22 +477,22 @@ def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: 
 @guarded
 def restore_link(studio: Studio, session: Session, request: gr.Request = None):
     """On page load with ?state=...: fill the settings and interventions from the link (or say why it cannot be
-    used, and apply nothing). Returns (prompt, max new, temperature, top-p, seed, session, interventions rows,
-    intervention status, suppress mode, pending restore, generation status)."""
+    used, and apply nothing). Returns RestorePanel (the settings, session, interventions, the pending restore and
+    the generation status)."""
     token = dict(getattr(request, "query_params", None) or {}).get(share.PARAM)
-    skip = tuple(gr.skip() for _ in range(11))
     if not token:
-        return skip
+        return skipped(RestorePanel)
     try:
         link = share.decode_link(studio, token)
     except AppError as err:
-        return (*skip[:9], None, problem(f"This link cannot be used: {err}. Nothing from it was applied."))
+        return skipped(RestorePanel)._replace(
+            pending=None, gen_status=problem(f"This link cannot be used: {err}. Nothing from it was applied."))
     s = link.settings
     restored = replace(link.session, original=None, intervened=None, selected=None)
     pending = {"selected": list(link.selected) if link.selected else None}
-    return (s.prompt, s.max_new_tokens, s.temperature, s.top_p, s.seed, restored, restored.rows(),
-            ok(f"restored {restored.n_rows} intervention(s) from the link"), restored.suppress_mode, pending,
-            "Restoring a shared link: generating…")
+    return RestorePanel(s.prompt, s.max_new_tokens, s.temperature, s.top_p, s.seed, restored, restored.rows(),
+                        ok(f"restored {restored.n_rows} intervention(s) from the link"), restored.suppress_mode,
+                        pending, "Restoring a shared link: generating…")
 
 
 @guarded
@@ -523,21 +500,21 @@ def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_token
                      session: Session):
     """Generate after a restored link; nothing (skips) otherwise."""
     if not pending:
-        yield tuple(gr.skip() for _ in range(6))
+        yield skipped(GenerationPanel)
         return
     yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session)
 
 
 @guarded
 def select_pending(studio: Studio, pending: dict | None, session: Session):
-    """Explain the token a restored link selected, and open its top prototype's card; nothing otherwise. Returns
-    (run, index, the decompose outputs, the card outputs)."""
+    """Explain the token a restored link selected, and open its top prototype's card; nothing otherwise
+    (PendingPanel: run, index, the TokenPanel fields, the CardPanel fields)."""
     selected = (pending or {}).get("selected")
     if not selected:
-        return tuple(gr.skip() for _ in range(2 + 7 + 5))
+        return skipped(PendingPanel)
     run, index = selected
-    outputs = decompose(studio, run, index, session)
-    return (run, index, *outputs, *prototype(studio, outputs[4]))
+    token = decompose(studio, run, index, session)
+    return PendingPanel(run, index, *token, *prototype(studio, token.proto_id))
 
 
 def _export(make, *args):

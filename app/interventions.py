@@ -1,6 +1,6 @@
 """The handlers of the interventions panel: suppress or scale a prototype, a category, every search match or a
-preset; how suppression acts; remove and clear; load a fitted controller. Each returns (session, the list,
-status) or, for the controller, (session, rows, status, description), and is wired by app/ui.py like the handlers
+preset; how suppression acts; remove and clear; load a fitted controller. Each returns an InterventionsPanel
+(session, the list, status) or, for the controller, a ControllerPanel, and is wired by app/ui.py like the handlers
 of app/handlers.py, whose conventions it shares (a new Session, never a shared one changed; messages from
 app/messages.py, never raw exceptions).
 """
@@ -15,19 +15,20 @@ from app import controllers as app_controllers
 from app import limits
 from app.core import AppError, Studio
 from app.messages import guarded, ok, problem
+from app.panels import ControllerPanel, InterventionsPanel
 from app.session import MAX_SCALE, SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
 
 
-def _intervened(studio: Studio, session: Session, make) -> tuple:
+def _intervened(studio: Studio, session: Session, make) -> InterventionsPanel:
     try:
         if session.n_rows >= studio.limits.max_interventions:
             raise AppError(f"this app takes at most {studio.limits.max_interventions} interventions at once: remove "
                            "some (or suppress a category or a search result as one row)")
         session = session.add(make())
     except (AppError, ValueError) as err:
-        return session, session.rows(), problem(err)
-    return session, session.rows(), ok(f"added: {session.items[-1].describe()}. Generate again to "
-                                                          "compare.")
+        return InterventionsPanel(session, session.rows(), problem(err))
+    return InterventionsPanel(session, session.rows(), ok(f"added: {session.items[-1].describe()}. Generate again "
+                                                          "to compare."))
 
 
 @guarded
@@ -48,14 +49,14 @@ def scale(studio: Studio, prototype_id, factor: float, session: Session):
 @guarded
 def suppress_category(studio: Studio, category: str, session: Session):
     return _intervened(studio, session,
-                       lambda: group_item("category", str(category), studio.category_ids(str(category))))
+                       lambda: group_item("category", str(category), studio.need_db().category_ids(str(category))))
 
 
 @guarded
 def suppress_search(studio: Studio, text: str, mode: str, session: Session):
     def make():
         kind = "semantic" if mode == "semantic" else "label"
-        ids = [r["prototype_id"] for r in studio.search(text, kind, k=10 if kind == "semantic" else 10_000)]
+        ids = [r["prototype_id"] for r in studio.need_db().search(text, kind, k=10 if kind == "semantic" else 10_000)]
         return group_item("search", f"{kind} {text.strip()[:60]!r}", ids)
 
     return _intervened(studio, session, make)
@@ -64,7 +65,7 @@ def suppress_search(studio: Studio, text: str, mode: str, session: Session):
 @guarded
 def apply_preset(studio: Studio, name: str, session: Session):
     def make():
-        title, ids = studio.preset_ids(name)
+        title, ids = studio.need_db().preset_ids(name)
         return group_item("preset", title, ids)
 
     return _intervened(studio, session, make)
@@ -73,13 +74,13 @@ def apply_preset(studio: Studio, name: str, session: Session):
 @guarded
 def suppress_mode(mode: str, session: Session):
     """How this session's suppressions act: 'reroute' (the nearest other prototypes take the slots) or 'zero'
-    (the slices are removed). Returns (session, the list, status)."""
+    (the slices are removed). Returns an InterventionsPanel."""
     try:
         session = session.with_suppress_mode(mode)
     except ValueError as err:
-        return session, session.rows(), problem(err)
-    return session, session.rows(), ok(
-        f"suppressions now {SUPPRESS_MODE_NAMES[session.suppress_mode]}. Generate again to compare.")
+        return InterventionsPanel(session, session.rows(), problem(err))
+    return InterventionsPanel(session, session.rows(), ok(
+        f"suppressions now {SUPPRESS_MODE_NAMES[session.suppress_mode]}. Generate again to compare."))
 
 
 @guarded
@@ -87,13 +88,13 @@ def remove_intervention(index, session: Session):
     try:
         session = session.remove(limits.whole("the row number", index, 0, max(session.n_rows - 1, 0)))
     except (AppError, ValueError) as err:
-        return session, session.rows(), problem(err)
-    return session, session.rows(), ok("removed")
+        return InterventionsPanel(session, session.rows(), problem(err))
+    return InterventionsPanel(session, session.rows(), ok("removed"))
 
 
 @guarded
 def clear_interventions(session: Session):
-    return session.clear(), [], ok("all interventions removed")
+    return InterventionsPanel(session.clear(), [], ok("all interventions removed"))
 
 
 @guarded
@@ -104,8 +105,8 @@ def list_interventions(session: Session):
 @guarded
 def controller(studio: Studio, path: str, upload, enabled: bool, session: Session, shipped: str | None = None):
     """Load a fitted prototype controller (a shipped one by name, a server path or an upload) into this session,
-    switch it on or off for the intervened text, and list the prototypes it raises and lowers most. Returns
-    (session, rows, status, description)."""
+    switch it on or off for the intervened text, and list the prototypes it raises and lowers most (ControllerPanel:
+    session, rows, status, description)."""
     try:
         loaded, name = session.controller, session.controller_name
         if upload:
@@ -119,11 +120,11 @@ def controller(studio: Studio, path: str, upload, enabled: bool, session: Sessio
             raise AppError("no controller loaded: pick a shipped one, give a path or upload a file written by "
                            "`python -m bench.controllers fit`")
     except AppError as err:
-        return session, [], problem(err), None
+        return ControllerPanel(session, [], problem(err), None)
     session = replace(session, controller=loaded, controller_on=bool(enabled), controller_name=name)
     view = app_controllers.describe(studio, loaded)
     state = "on: generate again to compare" if enabled else "loaded, off (tick the box to use it)"
-    return session, app_controllers.table_rows(view), ok(f"controller {view['name']} {state}"), view
+    return ControllerPanel(session, app_controllers.table_rows(view), ok(f"controller {view['name']} {state}"), view)
 
 
 @guarded

@@ -8,6 +8,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from app.core import NO_PROTOTYPE, UNLABELLED, TokenDecomposition, TokenView
+from precompute.query import PrototypeCard
 from precompute.schema import CATEGORIES
 
 # One colour per category, in CATEGORIES' order, far apart (Kelly's colours of maximum contrast, and a cyan):
@@ -112,20 +113,20 @@ def alternatives_figure(view: TokenView) -> go.Figure:
     return fig
 
 
-def signature_figure(card: dict, n: int = 12) -> go.Figure:
-    rows = card.get("signature", [])[:n]
+def signature_figure(card: PrototypeCard, n: int = 12) -> go.Figure:
+    rows = card.signature[:n]
     fig = go.Figure(go.Bar(x=[r["value"] for r in rows], y=[repr(r["token"]) for r in rows], orientation="h",
-                           marker_color=category_color(card.get("category"))))
+                           marker_color=category_color(card.category)))
     fig.update_layout(title=dict(text="logit signature W·p (top tokens)", font=dict(size=14)),
                       yaxis=dict(autorange="reversed"), **{**_LAYOUT, "height": 300})
     return fig
 
 
-def histogram_figure(card: dict) -> go.Figure:
-    edges, counts = card.get("hist_edges") or [], card.get("hist_counts") or []
+def histogram_figure(card: PrototypeCard) -> go.Figure:
+    edges, counts = card.hist_edges or [], card.hist_counts or []
     centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
     width = (edges[1] - edges[0]) if len(edges) > 1 else 1
-    fig = go.Figure(go.Bar(x=centres, y=counts, width=width * 0.95, marker_color=category_color(card.get("category"))))
+    fig = go.Figure(go.Bar(x=centres, y=counts, width=width * 0.95, marker_color=category_color(card.category)))
     fig.update_layout(title=dict(text="activation histogram (corpus)", font=dict(size=14)),
                       xaxis_title="activation", yaxis_title="tokens", **{**_LAYOUT, "height": 300})
     return fig

@@ -62,3 +62,41 @@ def evidence_html(row: dict) -> str:
     return (f'<div class="prism-evidence"><div class="prism-evidence-text">…{text}…</div>'
             f'<div class="prism-evidence-source">activation {row["activation"]:.3f} · {source} '
             f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')
+
+
+def shown_score(x) -> str:
+    return "n/a" if x is None else f"{float(x):.3f}"
+
+
+def card_markdown(card) -> str:
+    """A prototype card's text (precompute.query.PrototypeCard): label, its two sides and topic, every held-out
+    score with what it means, siblings and what separates them, co-active prototypes."""
+    md = (f"### #{card.prototype_id} {html.escape(card.label or '(no label)')}\n"
+          f"**{html.escape(card.category or 'unlabelled')}**"
+          + (f" · {html.escape(card.topic)}" if card.topic else "") + "  \n")
+    if card.fires_on or card.pushes:
+        md += (f"- **fires on** {html.escape(card.fires_on or '(not said)')}\n"
+               f"- **pushes the next token toward** {html.escape(card.pushes or '(not said)')}\n\n")
+    if card.detection_random is not None:
+        md += (f"detection {shown_score(card.detection_random)} vs random · "
+               f"{shown_score(card.detection_sibling)} vs siblings · ")
+    md += (f"label score {shown_score(card.label_score)}"
+           f" · sibling score {shown_score(card.sibling_score)} · active on "
+           f"{card.activation_count or 0} corpus tokens, mean activation {card.mean_activation or 0:.3f}, "
+           f"max {card.max_activation or 0:.3f}  \n"
+           f"<small>Every score is held out: the label was written from other evidence of this prototype. "
+           + ("Detection is a balanced accuracy (0.5 = chance, 1 = always right): given the label, tell this "
+              "prototype's contexts from random ones, or from its siblings' (the prototypes on the same tokens). "
+              if card.detection_random is not None else "")
+           + "Label and sibling score read like an AUROC: 0.5 = the label says nothing, 1 = it singles the "
+             "prototype out, against random other prototypes' contexts or against its siblings' only.</small>")
+    if card.siblings:
+        md += "\n\n**Siblings** (same tokens; what separates them):\n" + "\n".join(
+            f"- #{s['prototype_id']} {html.escape(s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
+            f"{', sibling score ' + shown_score(s['sibling_score']) if s.get('sibling_score') is not None else ''})"
+            + (f": {html.escape(s['separation'])}" if s.get("separation") else "")
+            for s in card.siblings[:6])
+    if card.coactive:
+        md += "\n\nOften active with: " + ", ".join(
+            f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card.coactive[:5])
+    return md

@@ -18,6 +18,7 @@ from app import plots
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
 from app.limits import Limits, RequestLimiter
+from app.panels import ControllerPanel, InterventionsPanel
 from app.session import SUPPRESS_MODE_NAMES, Session
 
 CSS = """
@@ -52,274 +53,306 @@ prototype — a learned direction anchored to real training text. Generate, clic
 evidence behind them, then switch a prototype off and see what the model writes instead."""
 
 
+class Components(dict):
+    """Every component an event reads or writes, by the name the handlers' panels use (app/handlers.py)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def outputs(self, *panels) -> list:
+        """The components of a panel's fields (a NamedTuple class) or of names, in that order."""
+        names = [n for p in panels for n in (p._fields if isinstance(p, type) else [p])]
+        return [self[n] for n in names]
+
+
 def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     """The one Blocks layout; `concurrency` bounds how many generations run at once (they share the CPU)."""
-    categories = studio.db.categories if studio.db is not None else []
-    # the legend: the categories the browser's filter offers, then what colours only tokens
-    color_map = {c: plots.category_color(c) for c in [*studio.filters(), NO_PROTOTYPE] if c != NEVER_ACTIVE}
-    color_map[h.CHANGED] = "#ff2d2d"
-    db_note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
+    lim = studio.limits
+    c = Components()
+    # Uploads and the files handlers return live in Gradio's cache: swept every 10 minutes, gone after file_max_age_s.
+    with gr.Blocks(title="PRISM studio", delete_cache=(600, lim.file_max_age_s)) as demo:
+        # an idle session's texts and interventions are dropped after session_ttl_s (launch bounds their number)
+        c["session"] = gr.State(Session(), time_to_live=lim.session_ttl_s)
+        c["control"] = gr.State(h.RunControl(), time_to_live=lim.session_ttl_s)
+        c["pending"] = gr.State(None, time_to_live=lim.session_ttl_s)
+        gr.Markdown(INTRO + _database_note(studio))
+        with gr.Row():
+            with gr.Column(scale=3):
+                with gr.Tabs() as c["tabs"]:
+                    with gr.Tab("Generate", id="generate"):
+                        _generate_panel(c, studio)
+                    with gr.Tab("Prototypes", id="browse"):
+                        _browse_panel(c, studio)
+            with gr.Column(scale=2):
+                _card_panel(c)
+                _interventions_panel(c, studio)
+                _controller_panel(c, studio)
+        _wire(c, studio, concurrency, demo)
+    return demo
+
+
+def _database_note(studio: Studio) -> str:
+    note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
         "No precompute database: labels, categories and evidence are off. Build one with `python -m precompute " \
         "build --model MODEL --corpus CORPUS --db out.duckdb` and start with `--db out.duckdb`."
     check = studio.db.text_check if studio.db is not None else None
     if check and check["errors"]:
-        db_note += (f"\n\n⚠️ {check['documents'] - check['resolved']} of {check['documents']} evidence documents "
-                    f"could not be read back from the installed corpus packages, so their snippets are hidden: "
-                    f"{html.escape(check['errors'][0])}")
+        note += (f"\n\n⚠️ {check['documents'] - check['resolved']} of {check['documents']} evidence documents "
+                 f"could not be read back from the installed corpus packages, so their snippets are hidden: "
+                 f"{html.escape(check['errors'][0])}")
+    return note
+
+
+def _generate_panel(c: Components, studio: Studio) -> None:
+    """The prompt and settings, the two texts side by side, links and exports, one token's explanation."""
     lim = studio.limits
-    # Uploads and the files handlers return live in Gradio's cache: swept every 10 minutes, gone after file_max_age_s.
-    with gr.Blocks(title="PRISM studio", delete_cache=(600, lim.file_max_age_s)) as demo:
-        # an idle session's texts and interventions are dropped after session_ttl_s (launch bounds their number)
-        session = gr.State(Session(), time_to_live=lim.session_ttl_s)
-        gr.Markdown(INTRO + db_note)
-        with gr.Row():
-            with gr.Column(scale=3):
-                with gr.Tabs() as tabs:
-                    with gr.Tab("Generate", id="generate"):
-                        with gr.Row():
-                            prompt = gr.Textbox(label="Prompt", lines=3, scale=3, elem_id="prompt",
-                                                value="The river flows into the", max_length=lim.max_prompt_chars,
-                                                info=f"at most {lim.max_prompt_tokens} tokens")
-                            with gr.Column(scale=2):
-                                max_new = gr.Slider(1, lim.max_new_tokens, value=min(24, lim.max_new_tokens), step=1,
-                                                    label="Max new tokens",
-                                                    elem_id="max-new")
-                                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)",
-                                                        elem_id="temperature")
-                                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p")
-                                seed = gr.Number(value=0, step=1, label="Seed", elem_id="seed")
-                        with gr.Row():
-                            generate_btn = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
-                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
-                        gen_status = gr.Markdown(elem_id="gen-status")
-                        with gr.Row(equal_height=False):
-                            with gr.Column():
-                                gr.Markdown("**Original** (no interventions)", elem_id="original-title")
-                                original = gr.HighlightedText(label="Original", color_map=color_map,
-                                                              show_legend=True, show_label=False,
-                                                              show_inline_category=False, elem_id="original")
-                            with gr.Column():
-                                intervened_title = gr.Markdown(h.INTERVENED_TITLE, elem_id="intervened-title")
-                                intervened = gr.HighlightedText(label="Intervened", color_map=color_map,
-                                                                show_legend=False, show_label=False,
-                                                                show_inline_category=False, elem_id="intervened")
-                        with gr.Row(elem_id="share-row"):
-                            link_btn = gr.Button("Copy link", size="sm", elem_id="copy-link")
-                            export_gen_btn = gr.Button("Export generation (JSON)", size="sm", elem_id="export-gen")
-                            export_iv_btn = gr.Button("Export interventions (JSON)", size="sm", elem_id="export-iv")
-                            import_iv_btn = gr.UploadButton("Import interventions", size="sm", file_types=[".json"],
-                                                            type="filepath", elem_id="import-iv")
-                        share_status = gr.Markdown(elem_id="share-status")
-                        link_box = gr.Textbox(label="Link to this state", visible=False, interactive=False,
-                                              buttons=["copy"], elem_id="link", max_lines=1)
-                        export_file = gr.File(label="Download", interactive=False, elem_id="export-file",
-                                              visible=False)
-                        with gr.Row():
-                            run = gr.Radio(list(h.RUNS), value="original", label="Text", scale=1)
-                            index = gr.Number(value=0, step=1, label="Token index", scale=1)
-                            decompose_btn = gr.Button("Explain token", scale=1, elem_id="explain")
-                        token_md = gr.Markdown(elem_id="token-summary")
-                        waterfall = gr.Plot(label="Decomposition", elem_id="decomposition")
-                        alternatives = gr.Plot(label="Alternatives", elem_id="alternatives")
-                        active = gr.Dataframe(headers=h.ACTIVE_HEADERS, label="Active prototypes (click a row)",
-                                              interactive=False, elem_id="active", wrap=True,
-                                              column_widths=["44px", "226px", "130px", "112px", "130px"])
-                        with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
-                            attribute_btn = gr.Button("Find the training data", elem_id="attribute")
-                            attribution_html = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
-                            attribution_json = gr.JSON(visible=False)
-                        with gr.Accordion("Data (as the API returns it)", open=False):
-                            result_json = gr.JSON(label="generate")
-                            token_json = gr.JSON(label="decompose")
-                    with gr.Tab("Prototypes", id="browse"):
-                        with gr.Row():
-                            query_box = gr.Textbox(label="Search", placeholder="e.g. year, suffix, a hospital",
-                                                   scale=3, elem_id="search-box")
-                            mode = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
-                            category = gr.Dropdown(["all", *studio.filters()], value="all", label="Category",
-                                                   scale=1, elem_id="category-filter")
-                            order = gr.Dropdown(list(h.ORDERINGS), value="relevance", label="Sort by", scale=1,
-                                                elem_id="order")
-                        with gr.Row():
-                            search_btn = gr.Button("Search", variant="primary", elem_id="search", scale=3)
-                            export_table_btn = gr.Button("Export all prototypes (CSV)", scale=1,
-                                                         elem_id="export-table")
-                        table_file = gr.File(label="Download", interactive=False, elem_id="table-file",
-                                             visible=False)
-                        search_status = gr.Markdown(elem_id="search-status")
-                        table = gr.Dataframe(headers=h.TABLE_HEADERS, interactive=False, label="Prototypes (click a "
-                                             "row)", elem_id="table", max_height=360, column_widths=h.TABLE_WIDTHS,
-                                             wrap=True)
-                        proto_map = gr.Plot(label="Map", elem_id="prototype-map")
-            with gr.Column(scale=2):
-                gr.Markdown("### Prototype")
-                with gr.Row():
-                    proto_id = gr.Number(label="Prototype id", step=1, elem_id="proto-id", scale=2)
-                    open_btn = gr.Button("Open card", scale=1, elem_id="open-card")
-                with gr.Row():
-                    suppress_btn = gr.Button("Suppress", variant="stop", elem_id="suppress")
-                    factor = gr.Slider(0, 5, value=2, step=0.1, label="Scale factor", elem_id="factor")
-                    scale_btn = gr.Button("Scale", elem_id="scale")
-                card_md = gr.Markdown(elem_id="card")
-                evidence = gr.HTML(elem_id="evidence")
-                with gr.Row():
-                    export_ev_btn = gr.Button("Export this prototype's evidence (CSV)", size="sm",
-                                              elem_id="export-evidence")
-                evidence_file = gr.File(label="Download", interactive=False, elem_id="evidence-file",
-                                        visible=False)
-                signature = gr.Plot(label="Logit signature")
-                histogram = gr.Plot(label="Activation histogram")
-                card_json = gr.JSON(visible=False)
-                gr.Markdown("### Your interventions")
-                iv_status = gr.Markdown(elem_id="iv-status")
-                iv_table = gr.Dataframe(headers=h.INTERVENTION_HEADERS, interactive=False, elem_id="interventions")
-                iv_suppress_mode = gr.Radio(
-                    [(name, mode) for mode, name in SUPPRESS_MODE_NAMES.items()], value=Session().suppress_mode,
-                    label="A suppressed prototype is switched off by", elem_id="suppress-mode",
-                    info="re-route: the nearest other prototypes take its slot and the text stays fluent; remove "
-                         "the slice: its share of the state is simply missing (exact subtraction)")
-                with gr.Row():
-                    remove_index = gr.Number(value=0, step=1, label="#", scale=1)
-                    remove_btn = gr.Button("Remove", scale=1)
-                    clear_btn = gr.Button("Clear all", scale=1)
-                presets = studio.presets()
-                with gr.Row():
-                    iv_preset = gr.Dropdown([p["title"] for p in presets], label="Preset (one click)", scale=2,
-                                            value=presets[0]["title"] if presets else None, elem_id="preset",
-                                            info="; ".join(f"{p['title']}: {p['n']} prototypes" for p in presets)
-                                            or "this database has no presets (python -m precompute.presets)")
-                    preset_btn = gr.Button("Apply preset", scale=1, elem_id="preset-apply")
-                with gr.Row():
-                    iv_category = gr.Dropdown(categories, label="Category", scale=2)
-                    category_btn = gr.Button("Suppress category", scale=1)
-                with gr.Row():
-                    iv_search = gr.Textbox(label="Every prototype matching", scale=2)
-                    iv_mode = gr.Radio(["label", "semantic"], value="label", label="by", scale=1)
-                    iv_search_btn = gr.Button("Suppress all", scale=1)
-                iv_repr = gr.Textbox(visible=False)
-                with gr.Accordion("Controller", open=False, elem_id="controller-panel"):
-                    gr.Markdown("A fitted controller reweights prototypes wherever they are active "
-                                "(`python -m bench.controllers fit`). Load one, see what it moves, switch it on.")
-                    shipped = list(app_controllers.shipped(studio))
-                    ctl_shipped = gr.Dropdown(shipped, value=shipped[0] if shipped else None,
-                                              label="Shipped controller", elem_id="ctl-shipped",
-                                              info=None if shipped else "none shipped for this model")
-                    ctl_path = gr.Textbox(label="or a controller file on the server (.safetensors)",
-                                          elem_id="ctl-path", visible=lim.server_paths)
-                    ctl_upload = gr.File(label="or upload one", file_types=[".safetensors"], type="filepath",
-                                         elem_id="ctl-upload")
-                    ctl_on = gr.Checkbox(value=True, label="Use it for the intervened text", elem_id="ctl-on")
-                    ctl_btn = gr.Button("Load / apply", elem_id="ctl-apply")
-                    ctl_status = gr.Markdown(elem_id="ctl-status")
-                    ctl_table = gr.Dataframe(headers=h.CONTROLLER_HEADERS, interactive=False, elem_id="ctl-table",
-                                             label="Most raised and lowered prototypes (click a row)")
-                    ctl_json = gr.JSON(visible=False)
+    # the legend: the categories the browser's filter offers, then what colours only tokens
+    color_map = {k: plots.category_color(k) for k in [*studio.filters(), NO_PROTOTYPE] if k != NEVER_ACTIVE}
+    color_map[h.CHANGED] = "#ff2d2d"
+    with gr.Row():
+        c["prompt"] = gr.Textbox(label="Prompt", lines=3, scale=3, elem_id="prompt",
+                                 value="The river flows into the", max_length=lim.max_prompt_chars,
+                                 info=f"at most {lim.max_prompt_tokens} tokens")
+        with gr.Column(scale=2):
+            c["max_new"] = gr.Slider(1, lim.max_new_tokens, value=min(24, lim.max_new_tokens), step=1,
+                                     label="Max new tokens", elem_id="max-new")
+            c["temperature"] = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)",
+                                         elem_id="temperature")
+            c["top_p"] = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p")
+            c["seed"] = gr.Number(value=0, step=1, label="Seed", elem_id="seed")
+    with gr.Row():
+        c["generate_btn"] = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
+        c["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
+    c["gen_status"] = gr.Markdown(elem_id="gen-status")
+    with gr.Row(equal_height=False):
+        with gr.Column():
+            gr.Markdown("**Original** (no interventions)", elem_id="original-title")
+            c["original"] = gr.HighlightedText(label="Original", color_map=color_map, show_legend=True,
+                                               show_label=False, show_inline_category=False, elem_id="original")
+        with gr.Column():
+            c["intervened_title"] = gr.Markdown(h.INTERVENED_TITLE, elem_id="intervened-title")
+            c["intervened"] = gr.HighlightedText(label="Intervened", color_map=color_map, show_legend=False,
+                                                 show_label=False, show_inline_category=False, elem_id="intervened")
+    with gr.Row(elem_id="share-row"):
+        c["link_btn"] = gr.Button("Copy link", size="sm", elem_id="copy-link")
+        c["export_gen_btn"] = gr.Button("Export generation (JSON)", size="sm", elem_id="export-gen")
+        c["export_iv_btn"] = gr.Button("Export interventions (JSON)", size="sm", elem_id="export-iv")
+        c["import_iv_btn"] = gr.UploadButton("Import interventions", size="sm", file_types=[".json"],
+                                             type="filepath", elem_id="import-iv")
+    c["share_status"] = gr.Markdown(elem_id="share-status")
+    c["link_box"] = gr.Textbox(label="Link to this state", visible=False, interactive=False, buttons=["copy"],
+                               elem_id="link", max_lines=1)
+    c["export_file"] = gr.File(label="Download", interactive=False, elem_id="export-file", visible=False)
+    with gr.Row():
+        c["run"] = gr.Radio(list(h.RUNS), value="original", label="Text", scale=1)
+        c["index"] = gr.Number(value=0, step=1, label="Token index", scale=1)
+        c["decompose_btn"] = gr.Button("Explain token", scale=1, elem_id="explain")
+    c["token_md"] = gr.Markdown(elem_id="token-summary")
+    c["waterfall"] = gr.Plot(label="Decomposition", elem_id="decomposition")
+    c["alternatives"] = gr.Plot(label="Alternatives", elem_id="alternatives")
+    c["active"] = gr.Dataframe(headers=h.ACTIVE_HEADERS, label="Active prototypes (click a row)", interactive=False,
+                               elem_id="active", wrap=True, column_widths=["44px", "226px", "130px", "112px", "130px"])
+    with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
+        c["attribute_btn"] = gr.Button("Find the training data", elem_id="attribute")
+        c["attribution_html"] = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
+        c["attribution_json"] = gr.JSON(visible=False)
+    with gr.Accordion("Data (as the API returns it)", open=False):
+        c["result_json"] = gr.JSON(label="generate")
+        c["token_json"] = gr.JSON(label="decompose")
 
-        card_outputs = [card_md, signature, histogram, evidence, card_json]
-        iv_outputs = [session, iv_table, iv_status]
-        control = gr.State(h.RunControl(), time_to_live=lim.session_ttl_s)
-        # Everything that runs the model (generation, a token's decomposition, training data, exports, a restored
-        # link), named or hidden, shares one concurrency group: at most `concurrency` at once, whoever calls.
-        model = {"concurrency_limit": concurrency, "concurrency_id": "model"}
-        generate_btn.click(
-            h.clear_explanation, None, [waterfall, alternatives, token_md, active, token_json, attribution_html,
-                                      attribution_json, gen_status], api_name=False, queue=False).then(
-            partial(h.generate, studio), [prompt, max_new, temperature, top_p, seed, session, control],
-            [original, intervened, gen_status, intervened_title, session, result_json], api_name="generate", **model)
-        stop_btn.click(h.request_stop, [control], None, api_name=False, queue=False)
-        token_outputs = [waterfall, alternatives, token_md, active, proto_id, session, token_json]
-        decompose_btn.click(partial(h.decompose, studio), [run, index, session], token_outputs, api_name="decompose",
-                            **model).then(
-            partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
-        for select, component in ((h.select_original, original), (h.select_intervened, intervened)):
-            component.select(select, None, [run, index], api_name=False).then(
-                partial(h.decompose, studio), [run, index, session], token_outputs, api_name=False, **model).then(
-                partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
-        open_btn.click(partial(h.prototype, studio), [proto_id], card_outputs, api_name="prototype")
 
-        def pick_row(evt: gr.SelectData):
-            return evt.row_value[0]
+def _browse_panel(c: Components, studio: Studio) -> None:
+    """Search, filter and sort the prototypes; the table and the map."""
+    with gr.Row():
+        c["query_box"] = gr.Textbox(label="Search", placeholder="e.g. year, suffix, a hospital", scale=3,
+                                    elem_id="search-box")
+        c["mode"] = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
+        c["category"] = gr.Dropdown(["all", *studio.filters()], value="all", label="Category", scale=1,
+                                    elem_id="category-filter")
+        c["order"] = gr.Dropdown(list(h.ORDERINGS), value="relevance", label="Sort by", scale=1, elem_id="order")
+    with gr.Row():
+        c["search_btn"] = gr.Button("Search", variant="primary", elem_id="search", scale=3)
+        c["export_table_btn"] = gr.Button("Export all prototypes (CSV)", scale=1, elem_id="export-table")
+    c["table_file"] = gr.File(label="Download", interactive=False, elem_id="table-file", visible=False)
+    c["search_status"] = gr.Markdown(elem_id="search-status")
+    c["table"] = gr.Dataframe(headers=h.TABLE_HEADERS, interactive=False, label="Prototypes (click a row)",
+                              elem_id="table", max_height=360, column_widths=h.TABLE_WIDTHS, wrap=True)
+    c["proto_map"] = gr.Plot(label="Map", elem_id="prototype-map")
 
-        for frame in (active, table):
-            frame.select(pick_row, None, [proto_id], api_name=False).then(
-                partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
 
-        search_inputs = [query_box, mode, category, order]
-        map_inputs = [query_box, table, card_json, category]
-        search_btn.click(partial(h.search, studio), search_inputs, [table, search_status], api_name="search").then(
-            partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
-        for trigger in (query_box.submit, mode.input, category.input, order.input):  # every change applies at once
-            trigger(partial(h.search, studio), search_inputs, [table, search_status], api_name=False).then(
-                partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
-        card_json.change(partial(h.map_plot, studio), map_inputs, [proto_map], api_name=False)
+def _card_panel(c: Components) -> None:
+    """One prototype: open it by id, suppress or scale it, its card and evidence."""
+    gr.Markdown("### Prototype")
+    with gr.Row():
+        c["proto_id"] = gr.Number(label="Prototype id", step=1, elem_id="proto-id", scale=2)
+        c["open_btn"] = gr.Button("Open card", scale=1, elem_id="open-card")
+    with gr.Row():
+        c["suppress_btn"] = gr.Button("Suppress", variant="stop", elem_id="suppress")
+        c["factor"] = gr.Slider(0, 5, value=2, step=0.1, label="Scale factor", elem_id="factor")
+        c["scale_btn"] = gr.Button("Scale", elem_id="scale")
+    c["card_md"] = gr.Markdown(elem_id="card")
+    c["evidence"] = gr.HTML(elem_id="evidence")
+    with gr.Row():
+        c["export_ev_btn"] = gr.Button("Export this prototype's evidence (CSV)", size="sm", elem_id="export-evidence")
+    c["evidence_file"] = gr.File(label="Download", interactive=False, elem_id="evidence-file", visible=False)
+    c["signature"] = gr.Plot(label="Logit signature")
+    c["histogram"] = gr.Plot(label="Activation histogram")
+    c["card_json"] = gr.JSON(visible=False)
 
-        suppress_btn.click(partial(iv.suppress, studio), [proto_id, session], iv_outputs, api_name="suppress")
-        scale_btn.click(partial(iv.scale, studio), [proto_id, factor, session], iv_outputs, api_name="scale")
-        category_btn.click(partial(iv.suppress_category, studio), [iv_category, session], iv_outputs,
-                           api_name="suppress_category")
-        iv_search_btn.click(partial(iv.suppress_search, studio), [iv_search, iv_mode, session], iv_outputs,
-                            api_name="suppress_search")
-        preset_btn.click(partial(iv.apply_preset, studio), [iv_preset, session], iv_outputs, api_name="preset")
-        iv_suppress_mode.input(iv.suppress_mode, [iv_suppress_mode, session], iv_outputs, api_name="suppress_mode")
-        remove_btn.click(iv.remove_intervention, [remove_index, session], iv_outputs, api_name="remove_intervention")
-        clear_btn.click(iv.clear_interventions, [session], iv_outputs, api_name="clear_interventions")
-        iv_refresh = gr.Button(visible=False)
-        iv_refresh.click(iv.list_interventions, [session], [iv_table, iv_repr], api_name="interventions")
-        ctl_btn.click(partial(iv.controller, studio), [ctl_path, ctl_upload, ctl_on, session, ctl_shipped],
-                      [session, ctl_table, ctl_status, ctl_json], api_name="controller", **model).then(
-            iv.list_interventions, [session], [iv_table, iv_repr], api_name=False)
-        ctl_table.select(iv.pick_controller_row, None, [proto_id], api_name=False).then(
-            partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
 
-        # Training data behind the selected token: on request, and whenever a token's decomposition arrives.
-        attribution_outputs = [attribution_html, attribution_json]
-        attribute_btn.click(partial(h.attribute, studio), [run, index, session], attribution_outputs,
-                            api_name="attribute", **model)
-        token_json.change(partial(h.refresh_attribution, studio), [token_json, run, index, session],
-                          attribution_outputs, api_name=False, **model)
+def _interventions_panel(c: Components, studio: Studio) -> None:
+    """The user's intervention list and the ways to add to it (a category, a search, a preset)."""
+    gr.Markdown("### Your interventions")
+    c["iv_status"] = gr.Markdown(elem_id="iv-status")
+    c["iv_table"] = gr.Dataframe(headers=h.INTERVENTION_HEADERS, interactive=False, elem_id="interventions")
+    c["iv_suppress_mode"] = gr.Radio(
+        [(name, mode) for mode, name in SUPPRESS_MODE_NAMES.items()], value=Session().suppress_mode,
+        label="A suppressed prototype is switched off by", elem_id="suppress-mode",
+        info="re-route: the nearest other prototypes take its slot and the text stays fluent; remove the slice: its "
+             "share of the state is simply missing (exact subtraction)")
+    with gr.Row():
+        c["remove_index"] = gr.Number(value=0, step=1, label="#", scale=1)
+        c["remove_btn"] = gr.Button("Remove", scale=1)
+        c["clear_btn"] = gr.Button("Clear all", scale=1)
+    presets = studio.presets()
+    with gr.Row():
+        c["iv_preset"] = gr.Dropdown([p["title"] for p in presets], label="Preset (one click)", scale=2,
+                                     value=presets[0]["title"] if presets else None, elem_id="preset",
+                                     info="; ".join(f"{p['title']}: {p['n']} prototypes" for p in presets)
+                                     or "this database has no presets (python -m precompute.presets)")
+        c["preset_btn"] = gr.Button("Apply preset", scale=1, elem_id="preset-apply")
+    with gr.Row():
+        c["iv_category"] = gr.Dropdown(studio.db.categories if studio.db is not None else [], label="Category",
+                                       scale=2)
+        c["category_btn"] = gr.Button("Suppress category", scale=1)
+    with gr.Row():
+        c["iv_search"] = gr.Textbox(label="Every prototype matching", scale=2)
+        c["iv_mode"] = gr.Radio(["label", "semantic"], value="label", label="by", scale=1)
+        c["iv_search_btn"] = gr.Button("Suppress all", scale=1)
+    c["iv_repr"] = gr.Textbox(visible=False)
+    c["iv_refresh"] = gr.Button(visible=False)
 
-        # Links, exports, imports.
-        settings_inputs = [prompt, max_new, temperature, top_p, seed]
-        # Gradio passes gr.Request only to functions whose own annotations name it (not through a partial).
-        def link_for(prompt, max_new, temperature, top_p, seed, run, token, session, request: gr.Request):
-            return h.share_link(studio, prompt, max_new, temperature, top_p, seed, run, token, session, request)
 
-        def restore_for(session, request: gr.Request):
-            return h.restore_link(studio, session, request)
+def _controller_panel(c: Components, studio: Studio) -> None:
+    """A fitted controller: pick a shipped one or a file, see what it moves, switch it on."""
+    with gr.Accordion("Controller", open=False, elem_id="controller-panel"):
+        gr.Markdown("A fitted controller reweights prototypes wherever they are active "
+                    "(`python -m bench.controllers fit`). Load one, see what it moves, switch it on.")
+        shipped = list(app_controllers.shipped(studio))
+        c["ctl_shipped"] = gr.Dropdown(shipped, value=shipped[0] if shipped else None, label="Shipped controller",
+                                       elem_id="ctl-shipped", info=None if shipped else "none shipped for this model")
+        c["ctl_path"] = gr.Textbox(label="or a controller file on the server (.safetensors)", elem_id="ctl-path",
+                                   visible=studio.limits.server_paths)
+        c["ctl_upload"] = gr.File(label="or upload one", file_types=[".safetensors"], type="filepath",
+                                  elem_id="ctl-upload")
+        c["ctl_on"] = gr.Checkbox(value=True, label="Use it for the intervened text", elem_id="ctl-on")
+        c["ctl_btn"] = gr.Button("Load / apply", elem_id="ctl-apply")
+        c["ctl_status"] = gr.Markdown(elem_id="ctl-status")
+        c["ctl_table"] = gr.Dataframe(headers=h.CONTROLLER_HEADERS, interactive=False, elem_id="ctl-table",
+                                      label="Most raised and lowered prototypes (click a row)")
+        c["ctl_json"] = gr.JSON(visible=False)
 
-        link_btn.click(link_for, [*settings_inputs, run, token_json, session],
-                       [link_box, share_status], api_name="link").then(
-            None, [link_box], None, api_name=False,
-            js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }").then(
-            h._shown_if_set, [link_box], [link_box], api_name=False)
-        export_gen_btn.click(partial(h.export_generation, studio), [session], [export_file, share_status],
-                             api_name="export_generation", **model).then(
-            h._shown_if_set, [export_file], [export_file], api_name=False)
-        export_iv_btn.click(partial(h.export_interventions, studio), [session], [export_file, share_status],
-                            api_name="export_interventions").then(
-            h._shown_if_set, [export_file], [export_file], api_name=False)
-        import_iv_btn.upload(partial(h.import_interventions, studio), [import_iv_btn, session],
-                             [session, iv_table, iv_status, iv_suppress_mode], api_name="import_interventions")
-        export_table_btn.click(partial(h.export_table, studio), None, [table_file, search_status],
-                               api_name="export_table").then(
-            h._shown_if_set, [table_file], [table_file], api_name=False)
-        export_ev_btn.click(partial(h.export_evidence, studio), [proto_id], [evidence_file, iv_status],
-                            api_name="export_evidence").then(
-            h._shown_if_set, [evidence_file], [evidence_file], api_name=False)
-        pending = gr.State(None, time_to_live=lim.session_ttl_s)
-        demo.load(restore_for, [session],
-                  [*settings_inputs, session, iv_table, iv_status, iv_suppress_mode, pending, gen_status],
-                  api_name=False).then(
-            partial(h.generate_pending, studio), [pending, *settings_inputs, session],
-            [original, intervened, gen_status, intervened_title, session, result_json], api_name=False, **model).then(
-            partial(h.select_pending, studio), [pending, session], [run, index, *token_outputs, *card_outputs],
-            api_name=False, **model)
 
-        demo.load(partial(h.search, studio), search_inputs, [table, search_status], api_name=False).then(
-            partial(h.map_plot, studio), map_inputs, [proto_map], api_name="map")
-        demo.load(h.deep_link, None, [proto_id, tabs], api_name=False).then(
-            partial(h.prototype, studio), [proto_id], card_outputs, api_name=False)
-    return demo
+def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> None:
+    """Every event: which handler, reading which components, writing which panel."""
+    card = c.outputs(h.CardPanel)
+    ivs = c.outputs(InterventionsPanel)
+    settings = c.outputs("prompt", "max_new", "temperature", "top_p", "seed")
+    # Everything that runs the model (generation, a token's decomposition, training data, exports, a restored
+    # link), named or hidden, shares one concurrency group: at most `concurrency` at once, whoever calls.
+    model = {"concurrency_limit": concurrency, "concurrency_id": "model"}
+    open_card = partial(h.prototype, studio)
+    c.generate_btn.click(h.clear_explanation, None, c.outputs(h.ClearPanel), api_name=False, queue=False).then(
+        partial(h.generate, studio), [*settings, c.session, c.control], c.outputs(h.GenerationPanel),
+        api_name="generate", **model)
+    c.stop_btn.click(h.request_stop, [c.control], None, api_name=False, queue=False)
+    token = c.outputs(h.TokenPanel)
+    c.decompose_btn.click(partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name="decompose",
+                          **model).then(open_card, [c.proto_id], card, api_name=False)
+    for select, component in ((h.select_original, c.original), (h.select_intervened, c.intervened)):
+        component.select(select, None, [c.run, c.index], api_name=False).then(
+            partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name=False, **model).then(
+            open_card, [c.proto_id], card, api_name=False)
+    c.open_btn.click(open_card, [c.proto_id], card, api_name="prototype")
+
+    def pick_row(evt: gr.SelectData):
+        return evt.row_value[0]
+
+    for frame in (c.active, c.table):
+        frame.select(pick_row, None, [c.proto_id], api_name=False).then(open_card, [c.proto_id], card, api_name=False)
+
+    search_inputs = [c.query_box, c.mode, c.category, c.order]
+    map_inputs = [c.query_box, c.table, c.card_json, c.category]
+    found = c.outputs("table", "search_status")
+    c.search_btn.click(partial(h.search, studio), search_inputs, found, api_name="search").then(
+        partial(h.map_plot, studio), map_inputs, [c.proto_map], api_name=False)
+    for trigger in (c.query_box.submit, c.mode.input, c.category.input, c.order.input):  # every change applies
+        trigger(partial(h.search, studio), search_inputs, found, api_name=False).then(
+            partial(h.map_plot, studio), map_inputs, [c.proto_map], api_name=False)
+    c.card_json.change(partial(h.map_plot, studio), map_inputs, [c.proto_map], api_name=False)
+
+    c.suppress_btn.click(partial(iv.suppress, studio), [c.proto_id, c.session], ivs, api_name="suppress")
+    c.scale_btn.click(partial(iv.scale, studio), [c.proto_id, c.factor, c.session], ivs, api_name="scale")
+    c.category_btn.click(partial(iv.suppress_category, studio), [c.iv_category, c.session], ivs,
+                         api_name="suppress_category")
+    c.iv_search_btn.click(partial(iv.suppress_search, studio), [c.iv_search, c.iv_mode, c.session], ivs,
+                          api_name="suppress_search")
+    c.preset_btn.click(partial(iv.apply_preset, studio), [c.iv_preset, c.session], ivs, api_name="preset")
+    c.iv_suppress_mode.input(iv.suppress_mode, [c.iv_suppress_mode, c.session], ivs, api_name="suppress_mode")
+    c.remove_btn.click(iv.remove_intervention, [c.remove_index, c.session], ivs, api_name="remove_intervention")
+    c.clear_btn.click(iv.clear_interventions, [c.session], ivs, api_name="clear_interventions")
+    listed = c.outputs("iv_table", "iv_repr")
+    c.iv_refresh.click(iv.list_interventions, [c.session], listed, api_name="interventions")
+    c.ctl_btn.click(partial(iv.controller, studio), [c.ctl_path, c.ctl_upload, c.ctl_on, c.session, c.ctl_shipped],
+                    c.outputs(ControllerPanel), api_name="controller", **model).then(
+        iv.list_interventions, [c.session], listed, api_name=False)
+    c.ctl_table.select(iv.pick_controller_row, None, [c.proto_id], api_name=False).then(
+        open_card, [c.proto_id], card, api_name=False)
+
+    # Training data behind the selected token: on request, and whenever a token's decomposition arrives.
+    attribution = c.outputs("attribution_html", "attribution_json")
+    c.attribute_btn.click(partial(h.attribute, studio), [c.run, c.index, c.session], attribution,
+                          api_name="attribute", **model)
+    c.token_json.change(partial(h.refresh_attribution, studio), [c.token_json, c.run, c.index, c.session],
+                        attribution, api_name=False, **model)
+
+    # Links, exports, imports. Gradio passes gr.Request only to functions whose own annotations name it (not
+    # through a partial).
+    def link_for(prompt, max_new, temperature, top_p, seed, run, token, session, request: gr.Request):
+        return h.share_link(studio, prompt, max_new, temperature, top_p, seed, run, token, session, request)
+
+    def restore_for(session, request: gr.Request):
+        return h.restore_link(studio, session, request)
+
+    c.link_btn.click(link_for, [*settings, c.run, c.token_json, c.session], c.outputs("link_box", "share_status"),
+                     api_name="link").then(
+        None, [c.link_box], None, api_name=False,
+        js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }").then(
+        h._shown_if_set, [c.link_box], [c.link_box], api_name=False)
+    for button, fn, inputs, target, status, name, extra in (
+            (c.export_gen_btn, h.export_generation, [c.session], "export_file", "share_status", "export_generation",
+             model),
+            (c.export_iv_btn, h.export_interventions, [c.session], "export_file", "share_status",
+             "export_interventions", {}),
+            (c.export_table_btn, h.export_table, [], "table_file", "search_status", "export_table", {}),
+            (c.export_ev_btn, h.export_evidence, [c.proto_id], "evidence_file", "iv_status", "export_evidence", {})):
+        button.click(partial(fn, studio), inputs or None, c.outputs(target, status), api_name=name, **extra).then(
+            h._shown_if_set, [c[target]], [c[target]], api_name=False)
+    c.import_iv_btn.upload(partial(h.import_interventions, studio), [c.import_iv_btn, c.session],
+                           c.outputs(InterventionsPanel, "iv_suppress_mode"), api_name="import_interventions")
+    demo.load(restore_for, [c.session], c.outputs(h.RestorePanel), api_name=False).then(
+        partial(h.generate_pending, studio), [c.pending, *settings, c.session], c.outputs(h.GenerationPanel),
+        api_name=False, **model).then(
+        partial(h.select_pending, studio), [c.pending, c.session], c.outputs(h.PendingPanel), api_name=False,
+        **model)
+
+    demo.load(partial(h.search, studio), search_inputs, found, api_name=False).then(
+        partial(h.map_plot, studio), map_inputs, [c.proto_map], api_name="map")
+    demo.load(h.deep_link, None, [c.proto_id, c.tabs], api_name=False).then(open_card, [c.proto_id], card,
+                                                                           api_name=False)
 
 
 def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, share: bool = False,

@@ -111,11 +111,12 @@ def main(argv: list[str] | None = None) -> dict:
               "recompute_s": round(statistics.median(recompute), 4),
               "select_first": percentiles(first), "select_cached": percentiles(later)}
     if studio.db is not None:
-        words = [w for label, _ in list(studio.db.labels.values())[:50] for w in label.split()[:1]] or ["a"]
-        result["search_label"] = percentiles([timed(lambda w=w: studio.search(w, "label")) for w in words[:30]])
-        if studio.db.has_embeddings:
-            studio.search("warm up", "semantic")
-            result["search_semantic"] = percentiles([timed(lambda w=w: studio.search(f"{w} words", "semantic"))
+        db = studio.db
+        words = [w for label, _ in list(db.labels.values())[:50] for w in label.split()[:1]] or ["a"]
+        result["search_label"] = percentiles([timed(lambda w=w: db.search(w, "label")) for w in words[:30]])
+        if db.has_embeddings:
+            db.search("warm up", "semantic")
+            result["search_semantic"] = percentiles([timed(lambda w=w: db.search(f"{w} words", "semantic"))
                                                      for w in words[:30]])
     cli.print_json(result)
     return result

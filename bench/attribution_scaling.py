@@ -160,7 +160,7 @@ def write_png(fig, out: Path) -> None:
     """The figure as PNG through Debian's chromium (plotly has no image export without kaleido)."""
     from playwright.sync_api import sync_playwright
 
-    from app.screenshots import CHROMIUM, CHROMIUM_ARGS
+    from tools.screenshots import CHROMIUM, CHROMIUM_ARGS
 
     out.parent.mkdir(parents=True, exist_ok=True)
     html = out.with_suffix(".html")

@@ -5,6 +5,8 @@
     rows = evidence(con, 42, limit=8)               # snippets with the token highlighted, source shown
     table = prototype_table(con, category="numbers/time", order_by="label_score")
     sibs = siblings(con, 42)                        # prototypes on the same tokens, what separates them
+    full = card(con, 42, n_evidence=6)              # PrototypeCard: all of the above as one typed value
+    preset_counts(con), preset_ids(con, "kjv-register"), has_embeddings(con)
 
 Parameterised SQL only. A pointer-only database (no document text) gets its text from the installed corpus
 packages, checked against the stored sha256; a mismatch is reported in the row instead of showing wrong text.
@@ -12,6 +14,7 @@ packages, checked against the stored sha256; a mismatch is reported in the row i
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -102,6 +105,45 @@ def prototype_card(con: duckdb.DuckDBPyConnection, prototype_id) -> dict:
                                   "FROM coactivations c LEFT JOIN labels l ON l.prototype_id = c.other_id "
                                   "WHERE c.prototype_id = ? ORDER BY c.rank", [pid])
     return card
+
+
+@dataclass
+class PrototypeCard:
+    """What a prototype card shows, read in one go (card()). Scores are None where the database's labeler did not
+    write them; label parts (fires_on, pushes, topic) None before labels v3."""
+
+    prototype_id: int
+    label: str | None
+    category: str | None
+    label_score: float | None
+    sibling_score: float | None
+    activation_count: int | None
+    mean_activation: float | None
+    max_activation: float | None
+    x: float | None
+    y: float | None
+    hist_edges: list[float] | None
+    hist_counts: list[int] | None
+    fires_on: str | None = None
+    pushes: str | None = None
+    topic: str | None = None
+    detection_random: float | None = None
+    detection_sibling: float | None = None
+    signature: list[dict] = field(default_factory=list)  # [{token_id, token, value}] strongest first
+    next_tokens: list[dict] = field(default_factory=list)  # [{token_id, token, count}] in the evidence
+    coactive: list[dict] = field(default_factory=list)  # [{prototype_id, count, label, category}]
+    siblings: list[dict] = field(default_factory=list)  # siblings()
+    evidence: list[dict] = field(default_factory=list)  # evidence()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def card(con: duckdb.DuckDBPyConnection, prototype_id, n_evidence: int = 6) -> PrototypeCard:
+    """A prototype's whole card: prototype_card, its top n_evidence evidence rows and its siblings."""
+    fields = prototype_card(con, prototype_id)
+    return PrototypeCard(**fields, evidence=evidence(con, fields["prototype_id"], limit=n_evidence),
+                         siblings=siblings(con, fields["prototype_id"]))
 
 
 def siblings(con: duckdb.DuckDBPyConnection, prototype_id) -> list[dict]:
@@ -212,6 +254,25 @@ def prototype_table(con: duckdb.DuckDBPyConnection, category: str | None = None,
 def map_points(con: duckdb.DuckDBPyConnection) -> list[dict]:
     return _rows(con, "SELECT prototype_id, x, y, label, category, activation_count FROM prototypes "
                       "WHERE x IS NOT NULL ORDER BY prototype_id")
+
+
+def has_embeddings(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the search job wrote embeddings (semantic search needs them)."""
+    return _has_table(con, "embeddings") and con.execute("SELECT count(*) FROM embeddings").fetchone()[0] > 0
+
+
+def preset_counts(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """{preset name: number of prototypes} of the stored presets; {} in a database made before presets."""
+    if not _has_table(con, "presets"):
+        return {}
+    return dict(con.execute("SELECT name, count(*) FROM presets GROUP BY name").fetchall())
+
+
+def preset_ids(con: duckdb.DuckDBPyConnection, name: str) -> list[int]:
+    """The prototype ids of a stored preset, ascending (empty for a preset the database does not hold)."""
+    if not _has_table(con, "presets"):
+        return []
+    return [r[0] for r in con.execute("SELECT prototype_id FROM presets WHERE name = ? ORDER BY 1", [name]).fetchall()]
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> list[dict]:

@@ -16,17 +16,31 @@ measure what the prototype part decides (docs/DESIGN.md section 2, "What the exp
     carried_share(dec_a, dec_b)        # the same share from two Decompositions at one position
     Carried.of(dec_a, dec_b, "runner")  # that share as the app shows it (None when the two logits tie)
     token_diff(original_ids, intervened_ids)   # where an intervened continuation departs from the original
+
+One position of a model's output, explained (what the app shows when a token is clicked; z is the final state at
+the position that chose the token, from the generation's own forward or one pass over the text):
+
+    ex = explain_token(model, z, token_id, interventions, n_alternatives=5)     # one call per click
+    ex.chosen, ex.alternatives, ex.carried       # Decompositions (slices add up to each logit), the share carried
+    contrast(ex.chosen, ex.alternatives[1])      # why A and not B: the margin as residual + one part per prototype
+    explain_token(..., against=(original_ids, intervened_ids, index)).change   # what an intervention changed here
+    logit_attrs(model, z, token_ids)             # (n, K) tensor: every prototype's slice of each token's logit
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from prism.interventions import Interventions, changed_selection, restrict
 from prism.losses import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from prism.model import Decomposition, PrismForCausalLM
 
 # A share at or above this means the prototypes, not the residual, decide the choice between the two tokens.
 CARRIES = 0.5
@@ -181,3 +195,185 @@ def token_diff(original: list[int], intervened: list[int]) -> Diff:
         else:
             status.append("changed" if i >= len(a) or a[i] != token else "after change")
     return Diff(status=status, first_change=first)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One position explained: alternatives, the contrast of two tokens, what an intervention changed.
+
+
+@dataclass
+class Contrast:
+    """Why token a and not token b at one position: margin = logit(a) - logit(b) = residual + sum(contributions)
+    exactly. contributions[i] = a_i (W_a - W_b) . p_i for each active prototype (positive: favours a), ordered by
+    size, largest first; residual = (W_a - W_b) . r + (b_a - b_b)."""
+
+    token_a: int
+    token_b: int
+    position: int
+    margin: float
+    residual: float
+    prototype_ids: list[int]
+    contributions: list[float]
+
+    @property
+    def prototypes(self) -> float:
+        """The prototypes' part of the margin (the residual's is `residual`)."""
+        return float(sum(self.contributions))
+
+    @property
+    def share(self) -> float:
+        """The prototypes' share of the margin, carried_share's number; nan when the logits tie."""
+        return self.prototypes / self.margin if self.margin else math.nan
+
+    def favouring(self, token: str = "a") -> list[tuple[int, float]]:
+        """(prototype id, part) of the prototypes that favour token a (or b), strongest first."""
+        sign = 1 if token == "a" else -1
+        return [(p, c) for p, c in zip(self.prototype_ids, self.contributions) if sign * c > 0]
+
+    def as_dict(self) -> dict:
+        return {"token_a": self.token_a, "token_b": self.token_b, "position": self.position, "margin": self.margin,
+                "residual": self.residual, "prototypes": self.prototypes, "share": self.share,
+                "parts": [{"prototype_id": p, "contribution": c}
+                          for p, c in zip(self.prototype_ids, self.contributions)]}
+
+
+def contrast(a: Decomposition, b: Decomposition) -> Contrast:
+    """The contrast of two tokens from their Decompositions at one position of one forward (decompose_output):
+    both hold the same prototypes in the same order, so the parts are differences of their slices."""
+    if a.position != b.position or a.prototype_ids != b.prototype_ids:
+        raise ValueError("contrast takes two decompositions of the same position and forward")
+    parts = [ca - cb for ca, cb in zip(a.contributions, b.contributions)]
+    order = sorted(range(len(parts)), key=lambda i: -abs(parts[i]))
+    return Contrast(token_a=a.token_id, token_b=b.token_id, position=a.position, margin=a.logit - b.logit,
+                    residual=a.residual - b.residual, prototype_ids=[a.prototype_ids[i] for i in order],
+                    contributions=[parts[i] for i in order])
+
+
+@torch.no_grad()
+def logit_attrs(model: PrismForCausalLM, z: torch.Tensor, token_ids: list[int] | torch.Tensor,
+                interventions: Interventions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor-valued decomposition at one state z (d,): (slices (n, K), residual (n,)) for n tokens, where
+    slices[j, i] = a_i (W p_i)[token j] for the prototypes the logits use (0 elsewhere) and residual[j] =
+    (W r + b)[token j]; slices.sum(-1) + residual equals the logits (as TransformerLens's logit_attrs, per
+    prototype instead of per component)."""
+    out = model.head(z.reshape(1, 1, -1), interventions)
+    ids, acts = (out.prototype_ids, out.activations) if out.used_prototype_ids is None else \
+        (out.used_prototype_ids, out.used_activations)
+    ids, acts = ids[0, 0], acts[0, 0]  # (k,)
+    rows = model.lm_head.weight[torch.as_tensor(token_ids, dtype=torch.long)]  # (n, d)
+    per = (rows @ model.prototypes.weight[ids].T) * acts  # (n, k)
+    slices = torch.zeros(rows.shape[0], model.config.n_prototypes, dtype=per.dtype)
+    slices.index_add_(1, ids, per)  # a prototype listed twice (injected and selected) adds up
+    residual = rows @ out.residual[0, 0]
+    if model.lm_head.bias is not None:
+        residual = residual + model.lm_head.bias[torch.as_tensor(token_ids, dtype=torch.long)]
+    return slices, residual
+
+
+@dataclass
+class Change:
+    """What the interventions changed at one position of an intervened text, against the model without them.
+
+    kind: "same" (before the first difference: nothing changed here), "indirect" (without the interventions the
+    model writes the same token here; it differs because the text before it differs) or "direct". reference: the
+    token the model writes without the interventions (direct only). effects: every prototype whose activation
+    differs here, own or brought in by re-routing, with its effect on logit(new) - logit(reference), largest
+    first; they add up exactly to the change of that margin. flip_set: the shortest run of the strongest
+    intervened prototypes whose intervention alone makes the greedy choice stop being the reference (empty when
+    none does). replacing: the prototypes re-routing brought in, with their activation."""
+
+    kind: str
+    new: int
+    reference: int | None = None
+    effects: list[tuple[int, float]] = field(default_factory=list)
+    flip_set: list[int] = field(default_factory=list)
+    replacing: dict[int, float] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def explain_change(model: PrismForCausalLM, z: torch.Tensor, interventions: Interventions, new: int,
+                   reference: int) -> Change:
+    """The effects, flip set and replacements at state z (d,) for the intervened choice `new` against `reference`.
+    z' - z = sum_p (a'_p - a_p) p_p exactly, so the effects add up to the change of logit(new) - logit(ref)."""
+    z = z.reshape(1, 1, -1)
+    plain = model.head(z)
+    ids, acts = plain.prototype_ids[0, 0], plain.activations[0, 0]  # (k,) the model's own
+    used = model.head(z, interventions)
+    new_ids, new_acts = used.used_prototype_ids[0, 0], used.used_activations[0, 0]  # (k',) what it used
+    change: dict[int, float] = {}
+    for pid, a in zip(ids.tolist(), acts.tolist()):
+        change[pid] = change.get(pid, 0.0) - a
+    for pid, a in zip(new_ids.tolist(), new_acts.tolist()):
+        change[pid] = change.get(pid, 0.0) + a
+    moved = torch.tensor([p for p, c in change.items() if c != 0], dtype=torch.long)
+    rows = model.lm_head.weight[[new, reference]]  # (2, d)
+    signature = rows @ model.prototypes.weight[moved].T  # (2, n)
+    effects = {p: change[p] * float(signature[0, n] - signature[1, n]) for n, p in enumerate(moved.tolist())}
+    _, replacing = changed_selection(ids, acts, new_ids, new_acts)
+    ordered = sorted(effects, key=lambda p: -effects[p])
+
+    def writes_reference(subset: set[int]) -> bool:
+        return int(model.head(z, restrict(interventions, subset)).logits[0, 0].argmax()) == reference
+
+    flip_set: list[int] = []
+    for pid in (p for p in ordered if p not in replacing):  # only what the user intervened on can be undone
+        if effects[pid] <= 0:
+            break
+        flip_set.append(pid)
+        if not writes_reference(set(flip_set)):
+            break
+    else:
+        flip_set = []
+    if flip_set and writes_reference(set(flip_set)):
+        flip_set = []
+    return Change(kind="direct", new=new, reference=reference, effects=[(p, effects[p]) for p in ordered],
+                  flip_set=flip_set, replacing={p: float(new_acts[new_ids == p].sum()) for p in replacing})
+
+
+@dataclass
+class TokenExplanation:
+    """One chosen token at one position: its decomposition, the top alternatives (chosen included, by logit), the
+    share of the choice over the runner-up that the prototypes carry (None on a tie or without alternatives) and,
+    for a token of an intervened text explained against the original, what the interventions changed."""
+
+    chosen: Decomposition
+    alternatives: list[Decomposition]
+    carried: Carried | None
+    change: Change | None = None
+
+    @property
+    def runner_up(self) -> Decomposition | None:
+        return next((d for d in self.alternatives if d.token_id != self.chosen.token_id), None)
+
+
+@torch.no_grad()
+def explain_token(model: PrismForCausalLM, z: torch.Tensor, token_id: int, interventions: Interventions | None = None,
+                  n_alternatives: int = 5, against: tuple[list[int], list[int], int] | None = None,
+                  decode=None) -> TokenExplanation:
+    """Everything a click on one token shows, from the state z (d,) at the position that chose it.
+
+    against = (original token ids, intervened token ids, index of this token in the intervened text) asks what the
+    interventions changed here (Change): the reference is the original token at the first difference, else the
+    plain model's top token after the intervened prefix. decode(token_id) -> text names the runner-up in
+    `carried` (token ids are shown without it)."""
+    interventions = interventions or Interventions()
+    out = model.head(z.reshape(1, 1, -1), interventions)
+    logits = out.logits[0, 0]  # (V,)
+    top = [int(t) for t in logits.topk(min(n_alternatives, logits.shape[0])).indices]
+    tokens = sorted([token_id] + [t for t in top if t != token_id], key=lambda t: -float(logits[t]))
+    decs = model.decompose_output(out, 0, tokens)
+    chosen = next(d for d in decs if d.token_id == token_id)
+    runner = next((d for d in decs if d.token_id != token_id), None)  # decs are in logit order
+    carried = runner and Carried.of(chosen, runner, decode(runner.token_id) if decode else str(runner.token_id))
+    change = None
+    if against is not None:
+        original, intervened, index = against
+        diff = token_diff(original, intervened)
+        if diff.first_change is None or index < diff.first_change:
+            change = Change(kind="same", new=token_id)
+        else:
+            reference = original[index] if index == diff.first_change else \
+                int(model.head(z.reshape(1, 1, -1)).logits[0, 0].argmax())
+            change = Change(kind="indirect", new=token_id) if reference == token_id else \
+                explain_change(model, z, interventions, token_id, reference)
+    return TokenExplanation(chosen=chosen, alternatives=decs, carried=carried or None, change=change)

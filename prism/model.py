@@ -1,10 +1,10 @@
 """PRISM model: any transformers causal LM whose prediction is routed through a sparse prototype bank.
 
-Reads top to bottom: interventions (values passed per call), the prototype bank, the outputs, then the wrapper
-model with forward, decompose, generation and checkpoint I/O. The wrapper is a transformers PreTrainedModel with
-GenerationMixin: `import prism` registers it with the Auto classes, generate() is transformers' own (every decoding
-option, with interventions applied at every step) and stream() is the explain-while-generating loop over the same
-forward. The math is docs/DESIGN.md section 1:
+Reads top to bottom: the prototype bank, the outputs, then the wrapper model with forward, decompose, generation
+and checkpoint I/O (the intervention values it applies are prism/interventions.py). The wrapper is a transformers
+PreTrainedModel with GenerationMixin: `import prism` registers it with the Auto classes, generate() is
+transformers' own (every decoding option, with interventions applied at every step) and stream() is the
+explain-while-generating loop over the same forward. The math is docs/DESIGN.md section 1:
 
     sims_t   = cos(z_t, p_i) for all i                       (B, T, K)
     K_t      = top-k of sims_t,  a_{t,i} = ReLU(sims_t,i)    (B, T, k)
@@ -24,10 +24,10 @@ Usage:
     ids = model.generate(input_ids, max_new_tokens=20, interventions=Interventions(suppress={3}))
     model = AutoModelForCausalLM.from_pretrained(folder)      # after `import prism`
 
-Length: over 900 lines, on purpose. As in transformers' single-model-file policy, the whole model (interventions,
-the bank, the outputs, forward, decompose, generation, checkpoints) is one file that reads top to bottom, so the
-math above and every place that applies it sit side by side; split up, one forward pass would be spread over files
-that only ever change together.
+Length: about 890 lines, on purpose. As in transformers' single-model-file policy, the whole model (the bank, the
+outputs, forward, decompose, generation, checkpoints) is one file that reads top to bottom, so the math above and
+every place that applies it sit side by side; split up, one forward pass would be spread over files that only ever
+change together. The intervention values it applies are in prism/interventions.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -52,6 +51,12 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from prism.config import PrismConfig
+from prism.interventions import (  # noqa: F401  (re-exported: prism.model.Interventions stays importable)
+    SUPPRESS_MODES,
+    ActivationController,
+    Interventions,
+    changed_selection,
+)
 from prism.losses import head_gram, prism_loss
 
 logger = logging.getLogger(__name__)
@@ -63,98 +68,6 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 # almost all zeros (the top-k entries, one maximum per token for R2 and per prototype for R1: about (k + 2) / K of
 # it), so on CPU a sparse product is several times cheaper; above this share of non-zeros the dense one is used.
 SPARSE_GRAD_MAX_DENSITY = 0.05
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Interventions: plain values passed with a call, validated against the bank, never stored on the model.
-
-
-@runtime_checkable
-class ActivationController(Protocol):
-    """A fitted map from a position's active-prototype activations to new ones (docs/DESIGN.md section 3, controllers;
-    prism/controllers.py has the fitted kind). reweight must keep the ids, keep activations >= 0 and act on each
-    position on its own, so it works inside cached generation like the other interventions."""
-
-    n_prototypes: int
-
-    def reweight(self, ids: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
-        """ids (..., k) long, acts (..., k) >= 0 -> new activations (..., k) >= 0."""
-        ...
-
-    def restricted(self, prototype_ids: set[int]) -> ActivationController:
-        """The same controller acting only on prototype_ids (every other prototype left as it is)."""
-        ...
-
-
-SUPPRESS_MODES = ("zero", "reroute")
-
-
-@dataclass(frozen=True)
-class Interventions:
-    """Changes to prototype activations for one call (docs/DESIGN.md section 3).
-
-    suppress: prototype ids switched off at every position, in one of two ways (suppress_mode):
-              "zero"    (the default) their activation is set to 0 where they are active: exactly their slices
-                        leave the logits, z' = z - sum_{i in S} a_i p_i, and nothing takes their place;
-              "reroute" they are masked out of the top-k selection: the position takes the top-k of the
-                        similarities outside the set, z' = r + sum_{j in K'} a_j p_j with r the position's own
-                        residual, so the nearest other prototypes explain it.
-    controller: a fitted ActivationController, applied to the selection (the model's own top-k; with "reroute"
-              the re-routed top-k, so it sees the replacements as ordinary active prototypes).
-    scale:    {prototype_id: factor >= 0} multiplies the activation wherever the prototype is in the selection
-              (with "reroute" a replacement can be scaled too).
-    inject:   {prototype_id: activation >= 0} sets the activation at every position, selected there or not.
-    Order: selection (re-routed or not), controller, suppress (zeroed; a no-op after re-routing unless the bank has
-    fewer than k prototypes outside the set), scale, inject. A prototype may appear in only one of
-    suppress/scale/inject.
-    """
-
-    suppress: frozenset[int] = field(default_factory=frozenset)
-    scale: dict[int, float] = field(default_factory=dict)
-    inject: dict[int, float] = field(default_factory=dict)
-    controller: ActivationController | None = None
-    suppress_mode: str = "zero"
-
-    def __post_init__(self) -> None:
-        if self.suppress_mode not in SUPPRESS_MODES:
-            raise ValueError(f"suppress_mode must be one of {', '.join(map(repr, SUPPRESS_MODES))} (remove the "
-                             f"slices, or re-route to the nearest other prototypes), got {self.suppress_mode!r}")
-        if self.controller is not None and not isinstance(self.controller, ActivationController):
-            raise TypeError(f"controller must be an ActivationController (n_prototypes, reweight, restricted), got "
-                            f"{type(self.controller).__name__}")
-        object.__setattr__(self, "suppress", frozenset(int(i) for i in self.suppress))
-        object.__setattr__(self, "scale", {int(i): float(s) for i, s in self.scale.items()})
-        object.__setattr__(self, "inject", {int(i): float(a) for i, a in self.inject.items()})
-        for name, values in (("scale factor", self.scale), ("injected activation", self.inject)):
-            for i, v in values.items():
-                if not math.isfinite(v) or v < 0:
-                    raise ValueError(f"{name} for prototype {i} must be finite and >= 0 (activations stay "
-                                     f"non-negative), got {v}")
-        groups = [set(self.suppress), set(self.scale), set(self.inject)]
-        clash = (groups[0] & groups[1]) | (groups[0] & groups[2]) | (groups[1] & groups[2])
-        if clash:
-            raise ValueError(f"prototypes {sorted(clash)} appear in more than one of suppress/scale/inject")
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.suppress or self.scale or self.inject or self.controller is not None)
-
-    @property
-    def reroutes(self) -> bool:
-        """Whether this call changes the top-k selection itself (reroute mode with something suppressed)."""
-        return self.suppress_mode == "reroute" and bool(self.suppress)
-
-    def prototype_ids(self) -> set[int]:
-        """The prototypes named in suppress/scale/inject (a controller may move any active prototype)."""
-        return set(self.suppress) | set(self.scale) | set(self.inject)
-
-    def check(self, n_prototypes: int) -> None:
-        bad = sorted(i for i in self.prototype_ids() if not 0 <= i < n_prototypes)
-        if bad:
-            raise ValueError(f"unknown prototype ids {bad}: this model has prototypes 0..{n_prototypes - 1}")
-        if self.controller is not None and self.controller.n_prototypes != n_prototypes:
-            raise ValueError(f"the controller was fitted for a model with {self.controller.n_prototypes} prototypes "
-                             f"but this model has {n_prototypes}: it belongs to another model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -957,18 +870,6 @@ def upgrade_config(meta: dict) -> dict:
         return meta
     return {**meta["prism"], "model_type": "prism", "weights": meta["weights"],
             "text_config": meta["backbone_config"], "architectures": ["PrismForCausalLM"]}
-
-
-def changed_selection(own_ids: torch.Tensor, own_acts: torch.Tensor, used_ids: torch.Tensor,
-                       used_acts: torch.Tensor) -> tuple[list[int], list[int]]:
-    """At one position: (the model's own active prototypes the logits no longer use, the prototypes that entered
-    the selection in their place). own (k,), used (k',): the first k used entries are the (re-routed) selection,
-    injected ones follow and are not counted as replacements."""
-    k = own_ids.shape[0]
-    own = {int(i) for i, a in zip(own_ids.tolist(), own_acts.tolist()) if a > 0}
-    used = {int(i) for i, a in zip(used_ids.tolist(), used_acts.tolist()) if a > 0}
-    selected = {int(i) for i, a in zip(used_ids[:k].tolist(), used_acts[:k].tolist()) if a > 0}
-    return sorted(own - used), sorted(selected - {int(i) for i in own_ids.tolist()})
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

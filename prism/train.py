@@ -17,7 +17,7 @@ same arguments continues exactly where it stopped (same step, same data order, s
 arguments are refused unless --overwrite. --exit-after N stops this process after N steps so a long run can be
 spread over time-limited sessions. Dropout is off (backbones run in eval mode), so steps are deterministic.
 
-Length: about 790 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
+Length: about 820 lines, on purpose. Like nanochat's training script, it reads top to bottom in the order a run
 happens: arguments, distributed set-up, data and the hidden-state cache, the trained module and prototype health,
 checkpoints, the loop, the command line. Every part works on the same TrainArgs and run folder, and the resume
 guarantee (same step, data order and optimizer state) is easiest to check with all of it in view.

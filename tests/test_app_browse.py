@@ -40,7 +40,7 @@ def test_semantic_search_lists_the_matches_by_similarity_and_counts_them(studio)
 
     pid = max(range(studio.n_prototypes), key=lambda p: len(studio.label(p)[0]))
     label, category = studio.label(pid)
-    own = label_text(category, label, studio.card(pid).get("topic"))
+    own = label_text(category, label, studio.need_db().card(pid).topic)
     for text in (own, label, "'; DROP TABLE labels; --", "qwertyuiop zxcv"):
         rows, status = handlers.search(studio, text, "semantic", "all", "relevance")
         sims = cosines(studio, text)

@@ -158,7 +158,7 @@ def test_semantic_search_order_count_sort_and_map_marks(browser, app):
 
     pid = max(range(studio.n_prototypes), key=lambda p: len(studio.label(p)[0]))
     label, category = studio.label(pid)
-    own = label_text(category, label, studio.card(pid).get("topic"))  # what the search job embedded
+    own = label_text(category, label, studio.need_db().card(pid).topic)  # what the search job embedded
     page = new_page(browser, app["url"])
     page.get_by_role("tab", name="Prototypes").click()
     page.wait_for_function("document.querySelector('#search-status').innerText.includes('prototype(s)')")

@@ -5,6 +5,7 @@ really flip the token, sessions build the right Interventions, and bad input get
 from __future__ import annotations
 
 import html
+from dataclasses import replace
 
 import pytest
 import torch
@@ -176,8 +177,9 @@ def test_generation_stops_at_a_special_token_and_never_shows_it(studio):
 
 def test_every_token_is_one_chip_and_newlines_show_as_a_mark(studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=4))
-    gen.steps[1].text = "\n\n"  # as a line-break token would read
-    gen.steps[2].text = " end\r\n"
+    steps = list(gen.steps)  # generations are values: make one whose tokens read as line breaks would
+    steps[1], steps[2] = replace(steps[1], text="\n\n"), replace(steps[2], text=" end\r\n")
+    gen = replace(gen, steps=tuple(steps))
     chips = handlers._highlights(studio, gen)
     assert len(chips) == len(gen.steps)
     assert [c[0] for c in chips][1:3] == [handlers.NEWLINE * 2, " end" + handlers.NEWLINE]
@@ -282,7 +284,7 @@ def test_session_builds_interventions():
 
 def test_group_interventions_from_the_database(studio):
     category = studio.db.categories[0]
-    ids = studio.category_ids(category)
+    ids = studio.need_db().category_ids(category)
     assert ids and all(studio.label(p)[1] == category for p in ids)
     session, rows, status = interventions.suppress_category(studio, category, Session())
     assert session.interventions().suppress == set(ids) and "category" in rows[0][1]
@@ -314,16 +316,16 @@ def test_bad_input_gets_a_message(studio):
     with pytest.raises(AppError):
         studio.token_view(gen, 10)
     with pytest.raises(AppError):
-        studio.card(999)
+        studio.need_db().card(999)
     with pytest.raises(AppError):
-        studio.card("x; DROP TABLE labels")
+        studio.need_db().card("x; DROP TABLE labels")
     for text in ["'; DROP TABLE labels; --", "%", "_", "\x00\x01", "<script>alert(1)</script>", "a" * 10_000]:
         rows, status = handlers.search(studio, text, "label", "all", "label score")
         assert isinstance(rows, list)
         assert ("type something" in status) if text == "\x00\x01" else "⚠️" not in status
         rows, status = handlers.search(studio, text, "semantic", "all", "activation count")
         assert isinstance(rows, list)
-    assert len(studio.table()) == studio.n_prototypes  # nothing was dropped
+    assert len(studio.need_db().table()) == studio.n_prototypes  # nothing was dropped
     md, *_ = handlers.prototype(studio, "<b>1</b>")
     assert md.startswith("⚠️")
 
@@ -359,7 +361,7 @@ def test_without_a_database(bare, tmp_path, tmp_path_factory):
     view = bare.token_view(gen, 1)
     assert close(view.chosen.total, view.chosen.logit) and all(s.category == "unlabelled" for s in view.chosen.slices)
     with pytest.raises(AppError, match="precompute build"):
-        bare.card(0)
+        bare.need_db().card(0)
     rows, status = handlers.search(bare, "year", "label", "all", "label score")
     assert rows == [] and "precompute build" in status
     corrupt = tmp_path / "corrupt.duckdb"
@@ -367,6 +369,6 @@ def test_without_a_database(bare, tmp_path, tmp_path_factory):
     loaded = Studio.load(model_path, corrupt)
     assert loaded.db is None and "could not be opened" in loaded.db_error
     with pytest.raises(AppError, match="could not be opened"):
-        loaded.card(0)
+        loaded.need_db().card(0)
     missing = Studio.load(model_path, tmp_path / "missing.duckdb")
     assert missing.db is None and "no database" in missing.db_error

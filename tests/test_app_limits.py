@@ -144,8 +144,9 @@ def test_long_texts_drop_hidden_states_and_recompute_them_exactly(studio):
             assert [s.prototype_id for s in a.chosen.slices] == [s.prototype_id for s in b.chosen.slices]
         # the generation's own states for every token of the short text, for the first 4 of the long one; beyond
         # that a click recomputes them (one forward pass) and keeps nothing
-        assert all(s.state is not None for s in kept.steps) and kept.z is None
-        assert [s.state is not None for s in dropped.steps] == [True] * 4 + [False] * 4 and dropped.z is None
+        assert all(s.state is not None for s in kept.steps) and kept not in studio._states
+        assert [s.state is not None for s in dropped.steps] == [True] * 4 + [False] * 4
+        assert dropped not in lean._states  # 8 + prompt tokens > 4: recomputed on each click, not kept
 
 
 # ----------------------------------------------------------------------------------------------------------------

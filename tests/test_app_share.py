@@ -211,8 +211,8 @@ def test_table_and_evidence_csv_hold_what_the_database_holds(studio):
     pid = int(table.sort_values("activation_count", ascending=False)["prototype_id"].iloc[0])
     path = shown(handlers.export_evidence(studio, pid)[0])
     ev = pd.read_csv(path)
-    card = studio.card(pid, n_evidence=export.MAX_EVIDENCE)
-    assert len(ev) == len(card["evidence"]) > 0 and list(ev["rank"]) == [e["rank"] for e in card["evidence"]]
+    card = studio.need_db().card(pid, n_evidence=export.MAX_EVIDENCE)
+    assert len(ev) == len(card.evidence) > 0 and list(ev["rank"]) == [e["rank"] for e in card.evidence]
     assert all(f"[{tok}]" in ctx for tok, ctx in zip(ev["token"], ev["context"]))
     hidden, status = handlers.export_evidence(studio, 999)
     assert shown(hidden) is None and "no prototype 999" in status

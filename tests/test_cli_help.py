@@ -19,7 +19,7 @@ def commands() -> list[str]:
     """Every command as it is typed after `python -m`: a module with main(argv), or a package whose __main__.py
     has one (precompute, precompute.labels, ...)."""
     found = []
-    for folder in ("prism", "precompute", "bench", "app"):
+    for folder in ("prism", "precompute", "bench", "app", "recipes", "tools"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if re.search(r"^def main\(argv", path.read_text(), re.MULTILINE):
                 parts = path.relative_to(ROOT).with_suffix("").parts
@@ -35,7 +35,7 @@ def command_module(command: str) -> str:
 
 def test_the_list_holds_the_commands_the_readme_names():
     assert {"prism.train", "prism.eval", "precompute", "precompute.labels", "bench.behaviour_removal",
-            "app.screenshots"} <= set(commands())
+            "tools.screenshots", "recipes.release"} <= set(commands())
 
 
 @pytest.mark.parametrize("module", commands())

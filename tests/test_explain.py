@@ -101,3 +101,130 @@ def test_bad_shapes_are_refused():
         path_statistics(torch.randn(3, 4), torch.randn(2, 4), w)
     with pytest.raises(ValueError, match="labels"):
         path_statistics(torch.randn(3, 4), torch.randn(3, 4), w, labels=torch.zeros(2, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One position explained: explain_token, contrast, logit_attrs, explain_change, each against numbers recomputed
+# from the model's own parameters in float64 (W, the bank P, the state z, the activations the head reports).
+
+
+def _state_and_bank(model, ids, position):
+    """z at a position, and the head's own selection there: (z (d,), {prototype id: activation})."""
+    out = model(ids)
+    z = out.z[0, position]
+    return z, dict(zip(out.prototype_ids[0, position].tolist(), out.activations[0, position].tolist()))
+
+
+@torch.no_grad()
+def test_explain_token_decomposes_the_top_tokens_exactly_and_in_logit_order():
+    from prism.explain import explain_token
+
+    model = tiny_prism(n_prototypes=16, top_k=4)
+    z, active = _state_and_bank(model, random_ids(batch=1, length=9), 6)
+    w, p = model.lm_head.weight.double(), model.prototypes.weight.double()
+    logits = w @ z.double()  # the tiny head has no bias
+    lowest = int(logits.argmin())  # a chosen token far from the top: it must still be explained, and listed
+    ex = explain_token(model, z, lowest, n_alternatives=4, decode=lambda t: f"<{t}>")
+    expected_top = logits.topk(4).indices.tolist()
+    assert [d.token_id for d in ex.alternatives] == expected_top + [lowest]
+    for d in ex.alternatives:
+        assert d.logit == pytest.approx(float(logits[d.token_id]), abs=1e-4)
+        assert d.residual + sum(d.contributions) == pytest.approx(d.logit, abs=1e-4)
+        for pid, a, c in zip(d.prototype_ids, d.activations, d.contributions):
+            assert a == pytest.approx(active[pid], abs=1e-5)
+            assert c == pytest.approx(a * float(w[d.token_id] @ p[pid]), abs=1e-5)
+    assert ex.chosen.token_id == lowest and ex.runner_up.token_id == expected_top[0]
+    assert ex.carried.runner_up == f"<{expected_top[0]}>" and ex.carried.gap < 0  # chosen below the runner-up
+    assert ex.carried.prototypes == pytest.approx(carried_share(ex.chosen, ex.runner_up))
+
+
+@torch.no_grad()
+def test_contrast_splits_the_margin_of_any_two_tokens_into_residual_and_prototype_parts():
+    from prism.explain import contrast, explain_token
+
+    model = tiny_prism(n_prototypes=16, top_k=4)
+    z, active = _state_and_bank(model, random_ids(batch=1, length=9, seed=3), 4)
+    w, p = model.lm_head.weight.double(), model.prototypes.weight.double()
+    ex = explain_token(model, z, int((w @ z.double()).argmax()), n_alternatives=5)
+    a, b = ex.alternatives[0], ex.alternatives[3]
+    c = contrast(a, b)
+    assert c.margin == pytest.approx(a.logit - b.logit, abs=1e-5)
+    assert c.residual + c.prototypes == pytest.approx(c.margin, abs=1e-4)
+    expected = {pid: act * float((w[a.token_id] - w[b.token_id]) @ p[pid]) for pid, act in active.items() if act > 0}
+    assert dict(zip(c.prototype_ids, c.contributions)) == pytest.approx(expected, abs=1e-5)
+    assert [abs(x) for x in c.contributions] == sorted((abs(x) for x in c.contributions), reverse=True)
+    assert c.share == pytest.approx(carried_share(a, b))
+    favour_a, favour_b = c.favouring("a"), c.favouring("b")
+    assert all(x > 0 for _, x in favour_a) and all(x < 0 for _, x in favour_b)
+    assert len(favour_a) + len(favour_b) == sum(x != 0 for x in c.contributions)
+    flipped = contrast(b, a)
+    assert flipped.margin == pytest.approx(-c.margin) and flipped.prototypes == pytest.approx(-c.prototypes)
+    with pytest.raises(ValueError, match="same position"):
+        contrast(a, explain_token(model, _state_and_bank(model, random_ids(batch=1, length=9), 2)[0], 0).chosen)
+
+
+@torch.no_grad()
+def test_logit_attrs_is_the_decomposition_as_a_tensor_under_interventions_too():
+    from prism.explain import logit_attrs
+    from prism.interventions import Interventions
+
+    model = tiny_prism(n_prototypes=16, top_k=4)
+    z, active = _state_and_bank(model, random_ids(batch=1, length=9, seed=5), 7)
+    tokens = [0, 5, 17, 31]
+    for iv in (None, Interventions(suppress={max(active, key=active.get)}),
+               Interventions(suppress={max(active, key=active.get)}, suppress_mode="reroute"),
+               Interventions(inject={next(i for i in range(16) if i not in active): 0.7})):
+        slices, residual = logit_attrs(model, z, tokens, iv)
+        logits = model.head(z[None, None], iv).logits[0, 0, tokens]
+        torch.testing.assert_close(slices.sum(-1) + residual, logits, rtol=1e-4, atol=1e-4)
+        assert slices.shape == (4, 16)
+        if iv is not None and iv.suppress and iv.suppress_mode == "zero":
+            assert bool((slices[:, sorted(iv.suppress)] == 0).all())  # the suppressed slice is gone, exactly
+        if iv is not None and iv.inject:
+            (pid, act), = iv.inject.items()
+            expected = act * (model.lm_head.weight[tokens] @ model.prototypes.weight[pid])
+            torch.testing.assert_close(slices[:, pid], expected, rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_explain_change_effects_add_up_to_the_change_of_the_margin_and_the_flip_set_flips():
+    from prism.explain import explain_change, explain_token
+    from prism.interventions import Interventions, restrict
+
+    model = tiny_prism(n_prototypes=16, top_k=4)
+    model.prototypes.weight.mul_(10)  # long prototypes: their slices outweigh the residual, so suppression flips
+    found = with_flip_set = 0
+    for seed, position in ((s, q) for s in range(4) for q in range(1, 8)):  # where suppressing the two strongest
+        z, active = _state_and_bank(model, random_ids(batch=1, length=8, seed=seed), position)  # flips the token
+        strongest = sorted(active, key=active.get, reverse=True)[:2]
+        for mode in ("zero", "reroute"):
+            iv = Interventions(suppress=set(strongest), suppress_mode=mode)
+            plain = model.head(z[None, None]).logits[0, 0].double()
+            used = model.head(z[None, None], iv).logits[0, 0].double()
+            reference, new = int(plain.argmax()), int(used.argmax())
+            if new == reference:
+                continue
+            found += 1
+            change = explain_change(model, z, iv, new, reference)
+            expected = float((used[new] - used[reference]) - (plain[new] - plain[reference]))
+            assert sum(e for _, e in change.effects) == pytest.approx(expected, abs=1e-4)
+            assert [e for _, e in change.effects] == sorted((e for _, e in change.effects), reverse=True)
+            assert (mode == "reroute") == bool(change.replacing)  # only re-routing brings prototypes in
+            def flips(subset, z=z, iv=iv, reference=reference):
+                return int(model.head(z[None, None], restrict(iv, set(subset))).logits.argmax()) != reference
+
+            leading = [p for p, e in change.effects if p not in change.replacing]
+            leading = leading[:next((i for i, p in enumerate(leading) if dict(change.effects)[p] <= 0), len(leading))]
+            runs = [leading[:n] for n in range(1, len(leading) + 1)]  # every leading run of positive effects
+            if change.flip_set:  # the shortest such run that flips the greedy choice
+                with_flip_set += 1
+                assert change.flip_set == next(r for r in runs if flips(r))
+            else:
+                assert not any(flips(r) for r in runs)
+            # the same through explain_token, given the two texts: the first difference is at this index
+            ex = explain_token(model, z, new, iv, against=([5, 6, reference], [5, 6, new], 2))
+            assert ex.change.kind == "direct" and ex.change.effects == change.effects
+            assert explain_token(model, z, new, iv, against=([5, 6, reference], [5, 6, new], 1)).change.kind == "same"
+            assert explain_token(model, z, reference, iv, against=([5, 7, 9], [5, 6, reference], 2)).change.kind == \
+                "indirect"  # after the first change, a token the plain model would write as well
+    assert found >= 4 and with_flip_set >= 2

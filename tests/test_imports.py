@@ -1,15 +1,20 @@
 """The layering, read from the source with ast: no import cycle among the project's modules (lazy imports inside
-functions count: they are cycles all the same), the packages import one way, app -> precompute -> prism, and
-kronfluence (a benchmark dependency) is imported only beside the benchmarks."""
+functions count: they are cycles all the same), the packages import one way (recipes -> bench, tools -> app ->
+precompute -> prism), nothing in prism/ or precompute/ runs a benchmark, no SQL outside precompute/, and kronfluence
+(a benchmark dependency) is imported only beside the benchmarks."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("prism", "precompute", "app", "bench")
-LAYER = {"prism": 0, "precompute": 1, "app": 2, "bench": 3}  # a module may import its own layer and those below
+PACKAGES = ("prism", "precompute", "app", "bench", "tools", "recipes")
+# a module may import its own layer and those below
+LAYER = {"prism": 0, "precompute": 1, "app": 2, "bench": 3, "tools": 3, "recipes": 4}
+SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|ATTACH|COPY|PRAGMA)\b.+\b(FROM|INTO|TABLE|SET|"
+                 r"DATABASE|TO|WHERE)\b", re.DOTALL)
 
 
 def modules() -> dict[str, Path]:
@@ -97,3 +102,33 @@ def test_kronfluence_is_imported_only_beside_the_benchmarks():
             found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "kronfluence"]
     assert found == []
     assert "kronfluence" in (ROOT / "bench" / "attribution_ekfac.py").read_text()
+
+
+def _strings(package: str) -> list[tuple[str, str]]:
+    """(file, string constant) for every string literal in a package's modules."""
+    return [(str(path.relative_to(ROOT)), node.value) for path in sorted((ROOT / package).rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+
+
+def test_the_checks_below_see_what_they_look_for():
+    assert SQL.search("SELECT count(*) FROM presets") and SQL.search("DROP TABLE labels")
+    assert not SQL.search("Select a prototype from the table") and not SQL.search("a DROP of 3% from the top")
+    assert any(s == "bench.behaviour_removal" for _, s in _strings("recipes"))  # the release runs benchmarks
+    assert any(SQL.search(s) for _, s in _strings("precompute"))
+
+
+def test_nothing_in_the_library_or_the_jobs_runs_a_benchmark():
+    """Not imported (test_packages_import_downwards_only) and not started as a subprocess by module name either."""
+    found = [f"{f}: {s}" for package in ("prism", "precompute") for f, s in _strings(package)
+             if re.fullmatch(r"bench(\.\w+)+", s.strip())]
+    assert found == []
+
+
+def test_no_sql_outside_precompute():
+    """The app reads the database only through precompute/query.py (and precompute/search.py): no SQL text in
+    app/, and none in the library."""
+    probe_text = "prism/probe.py"  # held-out passages the model reads (one is a SQL snippet): text, not a query
+    found = [f"{f}: {s[:60]!r}" for package in ("app", "prism", "tools") for f, s in _strings(package)
+             if SQL.search(s) and f != probe_text]
+    assert found == []

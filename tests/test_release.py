@@ -1,4 +1,4 @@
-"""precompute.release: the v2 recipe's driver, on a tiny model and corpus (the stages up to eval; the later stages
+"""recipes.release: the v2 recipe's driver, on a tiny model and corpus (the stages up to eval; the later stages
 are the precompute and ship commands other tests cover)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from helpers import tiny_backbone_dir, write_corpus
 
-from precompute.release import STAGES, main
 from prism import train as train_module
 from prism.train import resolve_autocast
+from recipes.release import STAGES, main
 
 
 def _argv(tmp_path: Path, backbone: str, corpus: str, *extra: str) -> list[str]:

@@ -1,7 +1,7 @@
 """The README's pictures, made by driving the real app in Chromium, so they can be refreshed after any UI change:
 
-    python -m app.screenshots                       # the shipped default -> docs/images/*.png
-    python -m app.screenshots --width 1280 --theme dark --out test-artifacts/dark
+    python -m tools.screenshots                       # the shipped default -> docs/images/*.png
+    python -m tools.screenshots --width 1280 --theme dark --out test-artifacts/dark
 
 It starts the app on a free 127.0.0.1 port, follows the README walkthrough (its prompt, temperature and seed are
 read from README.md) and writes:
@@ -28,7 +28,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--no-first-run"]
 TIMEOUT_MS = 300_000
-logger = logging.getLogger("app.screenshots")
+logger = logging.getLogger("tools.screenshots")
 
 
 def walkthrough(readme: Path = ROOT / "README.md") -> dict:
@@ -114,7 +114,7 @@ def take(url: str, out: Path, width: int = 1400, theme: str = "light") -> list[P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser("python -m app.screenshots", __doc__)
+    parser = cli.parser("python -m tools.screenshots", __doc__)
     parser.add_argument("--model", default=None, help="a PRISM model folder (default: the shipped one)")
     parser.add_argument("--db", default=None, help="its database (default: the shipped one with the shipped model)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "images"), help="folder for the PNG files")

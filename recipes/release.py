@@ -1,7 +1,7 @@
 """A default model from corpus to assets in one resumable command: the recipe of the shipped default v2 (issue 20).
 
-    python -m precompute.release --out runs/v2 --dry-run     # the commands, in order, and nothing run
-    nohup python -m precompute.release --out runs/v2 > runs/v2.log 2>&1 &    # everything; run again to resume
+    python -m recipes.release --out runs/v2 --dry-run     # the commands, in order, and nothing run
+    nohup python -m recipes.release --out runs/v2 > runs/v2.log 2>&1 &    # everything; run again to resume
 
 Stages, each a subprocess with its log in OUT/logs/<stage>.log and, once it ends well, a record in
 OUT/stages/<stage>.json (its command and seconds), so running the command again skips finished stages and the
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from prism import cli
 
-logger = logging.getLogger("precompute.release")
+logger = logging.getLogger("recipes.release")
 
 STAGES = ("corpus", "prism", "dense", "eval", "build", "behaviour", "controllers", "ship")
 GOALS = {"r1_bar": 0.94, "r2": 0.94, "ce_gap": 0.02, "dead_fraction": 0.02, "scaffolding_share": 0.45,
@@ -209,7 +209,7 @@ def summary(out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = cli.parser("python -m precompute.release", __doc__, formatter="raw")
+    parser = cli.parser("python -m recipes.release", __doc__, formatter="raw")
     parser.add_argument("--out", required=True, help="the release folder (every stage's output, logs, records)")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, run in the order above")
     parser.add_argument("--redo", default="", help="comma-separated stages to run again even if finished")
