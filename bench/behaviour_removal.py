@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from precompute.corpus import iter_documents
 from precompute.presets import PRESETS, REASONS, PresetArgs, find_prototypes, preset_prototypes
 from precompute.runs import connect
 from prism import Interventions, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
+from prism.corpora import iter_documents
 from prism.data import is_validation, pack
 from prism.model import SUPPRESS_MODES
 

@@ -48,9 +48,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from precompute.corpus import iter_documents
 from prism import cli
 from prism.controller_fit import SPLITS, MCItem, write_items
+from prism.corpora import iter_documents
 from prism.data import Document, is_validation
 
 logger = logging.getLogger(__name__)

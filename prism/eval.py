@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from prism import PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
+from prism.corpora import local_corpus
 from prism.data import is_validation, pack, read_documents, tokenize_split
 from prism.explain import PathStatistics, path_statistics, summarize_path
 from prism.losses import IGNORE_INDEX, ce_loss
@@ -208,6 +209,8 @@ def run(args: argparse.Namespace) -> dict:
                 setattr(args, name, saved[name])
     if args.corpus is None:
         raise ValueError("--corpus is needed (no train_args.json beside the checkpoint)")
+    cache = (saved.get("cache_dir") if train_args_file.exists() else None) or checkpoint.parent / "cache"
+    args.corpus = local_corpus(args.corpus, cache)  # a named corpus: the file the training run exported it to
     args.val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
     args.seq_len = args.seq_len or 256
 

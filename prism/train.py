@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import generation_config_for, load_backbone, load_tokenizer
 from prism.config import LAMBDAS
+from prism.corpora import local_corpus
 from prism.data import corpus_fingerprint, pack, tokenize_split
 from prism.losses import ce_loss, head_gram
 from prism.memory import allocator, keep_freed_memory
@@ -116,7 +117,7 @@ class TrainArgs:
     cache_layer: int | None = None  # top mode: cache the states entering this layer (default: the first trained
     # one); a lower layer lets runs with different --n-layers share one cache, the frozen layers between run per step
     # -- data
-    corpus: str = ""  # text/jsonl/Parquet file, folder or glob
+    corpus: str = ""  # text/jsonl/Parquet file, folder or glob, or a named corpus (prism/corpora)
     seq_len: int = 256
     val_fraction: float = 0.05  # fraction of documents held out (by a hash of the document id)
     max_tokens: int | None = None  # cap on training tokens read from the corpus
@@ -228,17 +229,27 @@ def _cache_root(args: TrainArgs) -> Path:
     return Path(args.cache_dir) if args.cache_dir else Path(args.out) / "cache"
 
 
+def corpus_file(args: TrainArgs, rank: int) -> str:
+    """The corpus as a local path: a named corpus (default, default-v2, default-v3) is exported once under the
+    cache folder by rank 0 (prism.corpora.local_corpus), a path is itself."""
+    if rank == 0:
+        local_corpus(args.corpus, _cache_root(args))
+    _barrier()
+    return local_corpus(args.corpus, _cache_root(args))  # exported by now: only the path
+
+
 def _token_blocks(args: TrainArgs, tokenizer, rank: int) -> tuple[dict[str, np.ndarray], dict | None]:
     """Train/val blocks (N, seq_len) int32, tokenized once and cached under a key of everything they depend on,
     and with --max-source-share the training tokens per source before and after the cap (else None)."""
-    parts = [corpus_fingerprint(args.corpus), args.backbone, tokenizer.name_or_path, len(tokenizer),
+    corpus = corpus_file(args, rank)
+    parts = [corpus_fingerprint(corpus), args.backbone, tokenizer.name_or_path, len(tokenizer),
              args.val_fraction, args.max_tokens]
     if args.max_source_share is not None:  # appended only when set, so uncapped runs keep their caches
         parts += [args.max_source_share, args.seed]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     folder = _cache_root(args) / f"tokens-{key}"
     if rank == 0 and not (folder / "done").exists():
-        streams, mix = tokenize_split(args.corpus, tokenizer, args.val_fraction, args.max_tokens,
+        streams, mix = tokenize_split(corpus, tokenizer, args.val_fraction, args.max_tokens,
                                       max_source_share=args.max_source_share, seed=args.seed, return_mix=True)
         folder.mkdir(parents=True, exist_ok=True)
         for split, stream in streams.items():
@@ -762,7 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
         "n_layers": "top mode: number of top decoder layers that train",
         "cache_layer": "top mode: cache the states entering this layer (default: the first trained layer); lower "
                        "lets runs with different --n-layers share one cache",
-        "corpus": "text/jsonl/Parquet file, folder or glob (required)",
+        "corpus": "text/jsonl/Parquet file, folder or glob, or a named offline corpus (default, default-v2, "
+                  "default-v3: exported once to CACHE_DIR/corpus-NAME.jsonl) (required)",
         "val_fraction": "fraction of documents held out for validation (chosen by a hash of the document id)",
         "max_tokens": "cap on the training tokens read from the corpus",
         "max_source_share": "cap on any one source's share of the training tokens, e.g. 0.4: whole documents are "

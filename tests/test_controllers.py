@@ -26,7 +26,6 @@ from bench.controller_tasks import main as tasks_main
 from bench.controllers import correct_items
 from bench.controllers import main as controllers_main
 from bench.dense_controller import DENSE, DenseController, GatheredRowsDot, load_any, make_frame
-from precompute.corpus import Document
 from prism import Interventions
 from prism.controller_fit import (
     PROTOTYPE,
@@ -43,6 +42,7 @@ from prism.controller_fit import (
     write_items,
 )
 from prism.controllers import PrototypeController, bank_fingerprint, load_controller, save_controller
+from prism.corpora import Document
 from prism.data import is_validation
 
 KINDS = ["llama", "gpt2"]
@@ -487,7 +487,7 @@ def test_splits_follow_the_pattern_per_source():
 
 def test_default_corpus_gives_500_items_per_task():
     """The real default corpus at the training run's val_fraction 0.05 (no model needed to count)."""
-    from precompute.corpus import iter_documents
+    from prism.corpora import iter_documents
 
     built = build_tasks(iter_documents("default"), val_fraction=0.05)
     for task, items in built.items():

@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from precompute import corpus
-from precompute.corpus import (
+from precompute.corpus.__main__ import main as corpus_main
+from prism.corpora import (
     CorpusHashMismatch,
     CorpusSpec,
     Document,
@@ -28,8 +29,7 @@ from precompute.corpus import (
     resolve_text,
     specs,
 )
-from precompute.corpus import default as default_corpus
-from precompute.corpus.__main__ import main as corpus_main
+from prism.corpora import default as default_corpus
 from prism.data import read_documents
 
 ROOT = Path(__file__).resolve().parents[1]

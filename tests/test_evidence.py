@@ -15,7 +15,6 @@ from helpers import tiny_backbone_dir, write_corpus
 
 from app.render import segments_html
 from precompute.__main__ import main as precompute_main
-from precompute.corpus import iter_documents
 from precompute.evidence import KILL_HOOK, EvidenceArgs
 from precompute.evidence import run as run_evidence
 from precompute.inputs import encode_sequence
@@ -23,6 +22,7 @@ from precompute.query import UnknownPrototype, evidence, open_db, prototype_card
 from precompute.runs import JobArgsMismatch
 from prism import PrismConfig, PrismForCausalLM
 from prism.backbones import load_backbone, load_tokenizer
+from prism.corpora import iter_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 K, TOP_K, TOP_N, SEQ = 12, 3, 4, 24

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from app.assets import ASSETS, DEFAULT_MODEL, resolve_db
 from precompute import query
-from precompute.corpus import CORPORA
 from precompute.runs import connect
+from prism.corpora import CORPORA
 
 MAX_ASSETS_MB = 60
 

@@ -556,3 +556,28 @@ def test_a_path_term_makes_the_prototype_path_agree_more_with_the_model():
         measured[weight] = (float(stats.agree.double().mean()), float(stats.kl.mean()))
     assert measured[3.0][1] < 0.8 * measured[0.0][1], measured
     assert measured[3.0][0] > measured[0.0][0] + 0.05, measured
+
+
+def test_a_named_corpus_trains_from_one_export_that_eval_reads_too(setup, tmp_path):
+    """--corpus default: exported once to CACHE/corpus-default.jsonl (the same documents as iter_documents), the
+    tokens a run reads are those of that file, and prism.eval finds the same file from the run's arguments."""
+    from prism.corpora import iter_documents, local_corpus
+    from prism.eval import main as eval_main
+
+    cache = tmp_path / "cache"
+    final = main(_argv(setup, tmp_path / "named", corpus="default", cache_dir=str(cache), steps=2,
+                       max_tokens=3000))
+    export = cache / "corpus-default.jsonl"
+    rows = [json.loads(line) for line in export.read_text(encoding="utf-8").splitlines()]
+    expected = list(iter_documents("default"))
+    assert [r["id"] for r in rows] == [d.doc_id for d in expected] and rows[3]["text"] == expected[3].text
+    stamp = export.stat().st_mtime_ns
+    assert local_corpus("default", cache) == str(export) and export.stat().st_mtime_ns == stamp  # not rewritten
+    assert local_corpus(setup["corpus"], cache) == setup["corpus"]  # a path is itself
+    assert PrismForCausalLM.from_pretrained(final).config.metadata["corpus"] == "default"  # the name is recorded
+    via_path = main(_argv(setup, tmp_path / "path", corpus=str(export), cache_dir=str(cache), steps=2,
+                          max_tokens=3000))
+    for name, value in _weights(final).items():  # the same tokens, the same steps: the same weights
+        torch.testing.assert_close(value, _weights(via_path)[name], msg=name)
+    result = eval_main(["--checkpoint", str(final), "--max-val-tokens", "256", "--no-probe"])
+    assert result["split"]["corpus"] == str(export)

@@ -20,18 +20,18 @@ import logging
 import sys
 from pathlib import Path
 
-from precompute.corpus import npm
-from precompute.corpus.default import (
+from precompute.query import npm_packages_needed
+from prism import cli
+from prism.corpora import npm
+from prism.corpora.default import (
     CORPORA,
     NPM_SOURCES,
     SOURCE_INFO,
     corpus_npm_packages,
     default_manifest,
-    npm_packages_needed,
 )
-from precompute.corpus.specs import parse_spec
-from precompute.corpus.stats import corpus_stats, export_jsonl, format_stats
-from prism import cli
+from prism.corpora.specs import parse_spec
+from prism.corpora.stats import corpus_stats, export_jsonl, format_stats
 
 logger = logging.getLogger("precompute.corpus")
 

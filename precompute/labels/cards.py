@@ -146,7 +146,7 @@ def _document_text(doc_id: str, sha256: str | None) -> str | None:
     if sha256 is None:
         return None
     try:
-        from precompute.corpus import check_text
+        from prism.corpora import check_text
 
         return check_text(doc_id, sha256)
     except (ImportError, KeyError, ValueError, OSError) as err:

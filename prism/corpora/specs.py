@@ -18,8 +18,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from precompute.corpus.default import CORPORA, default_documents
-from precompute.corpus.hub import iter_hf_dataset
+from prism.corpora.default import CORPORA, default_documents
+from prism.corpora.hub import iter_hf_dataset
 from prism.data import SUFFIXES, Document, read_documents
 
 
@@ -69,3 +69,4 @@ def iter_documents(spec: str, limit: int | None = None) -> Iterator[Document]:
     else:
         docs = iter_hf_dataset(parsed.path, name=parsed.name)
     yield from itertools.islice(docs, limit)  # stops before reading document limit + 1 (a stream may be remote)
+

@@ -54,9 +54,9 @@ from xml.etree import ElementTree
 
 from tqdm.auto import tqdm
 
-from precompute.corpus import modern
-from precompute.corpus.npm import MOBY_DICK, SOTU, SPAM_ASSASSIN, NpmPackage, installed_version, package_dir
-from precompute.corpus.wikitext import clean_wikitext
+from prism.corpora import modern
+from prism.corpora.npm import MOBY_DICK, SOTU, SPAM_ASSASSIN, NpmPackage, installed_version, package_dir
+from prism.corpora.wikitext import clean_wikitext
 from prism.data import Document
 
 logger = logging.getLogger("precompute.corpus")
@@ -163,31 +163,6 @@ def package_file(source: str, relative: str) -> Path:
         raise FileNotFoundError(f"{path} is missing from the installed {src.distribution} "
                                 f"{_installed_version(src.distribution)}: {install}")
     return path
-
-
-def npm_packages_needed(db: str | Path) -> list:
-    """The pinned npm packages (npm.NpmPackage) whose text a pointer-only database reads back: the npm sources of
-    its documents that store no text (evidence and attribution documents). [] for a database over PyPI sources only
-    or one that stores its text. FileNotFoundError / ValueError for a missing or foreign file."""
-    import duckdb
-
-    path = Path(db)
-    if not path.is_file():
-        raise FileNotFoundError(f"no database at {path}")
-    try:
-        con = duckdb.connect(str(path), read_only=True)
-    except duckdb.Error as err:
-        raise ValueError(f"{path} is not a DuckDB database: {err}") from None
-    try:
-        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-        if "documents" not in tables:
-            raise ValueError(f"{path} has no documents table: not a precompute database")
-        union = " UNION ".join(f"SELECT DISTINCT split_part(doc_id, '/', 1) FROM {t} WHERE text IS NULL"
-                               for t in ("documents", "attribution_documents") if t in tables)
-        sources = {r[0] for r in con.execute(union).fetchall()}
-    finally:
-        con.close()
-    return [NPM_SOURCES[name] for name in DEFAULT_SOURCES if name in sources and name in NPM_SOURCES]
 
 
 def corpus_npm_packages(corpus: str) -> list[NpmPackage]:

@@ -14,7 +14,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from precompute.corpus.specs import iter_documents
+from prism.corpora.default import CORPORA
+from prism.corpora.specs import iter_documents
 from prism.data import Document
 
 logger = logging.getLogger("precompute.corpus")
@@ -95,3 +96,16 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append("licences:")
         lines.extend(f"  {s}: {licence}" for s, licence in licences)
     return "\n".join(lines)
+
+
+def local_corpus(spec: str, folder: str | Path) -> str:
+    """A local corpus path for `spec`, what prism.train and prism.eval read: a named offline corpus (CORPORA) is
+    exported once to FOLDER/corpus-NAME.jsonl (the export writes a .partial file and renames it, so a killed one
+    leaves nothing half-written; delete the file to export again after the corpus packages change); any other
+    spec is returned as it is."""
+    if str(spec).strip() not in CORPORA or Path(spec).exists():  # a local file of that name wins, as in parse_spec
+        return str(spec)
+    path = Path(folder) / f"corpus-{str(spec).strip()}.jsonl"
+    if not path.exists():
+        export_jsonl(str(spec).strip(), path)
+    return str(path)
