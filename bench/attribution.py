@@ -524,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "documents give the queries)")
     parser.add_argument("--n-train", type=int, default=4096, help="training sequences when building the cache")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence when building")
-    parser.add_argument("--n-queries", type=int, default=50)
+    parser.add_argument("--n-queries", type=int, default=50, help="held-out query tokens to attribute")
     parser.add_argument("--rank", type=int, default=128, help="cached coordinates per vector when building (0: all)")
     parser.add_argument("--damping", type=float, default=0.1, help="relative damping when building")
     parser.add_argument("--mode", choices=("coupled", "block"), default="coupled",

@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--corpus", help="corpus spec ('default', a file/folder/glob) when not from --checkpoint")
     build.add_argument("--val-fraction", type=float, help="the training run's held-out fraction")
     build.add_argument("--out", required=True, help="folder for the task files")
-    build.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    build.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="which tasks to build")
     build.add_argument("--max-per-doc", type=int, default=48, help="items per document and task at most")
     build.add_argument("--stats", action="store_true", help="print item counts per split and source as JSON")
     desc = cli.subparser(commands, "describe", help="label the prototypes fitted controllers moved (JSON)")

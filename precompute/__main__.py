@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llm-model", default=None, help="model name (openai) or local folder (local)")
     b.add_argument("--seed", type=int, default=0, help="seed of the map layout and label scores")
     s = sub.add_parser("strip-text", help="write a pointer-only copy of a database (no third-party text)")
-    s.add_argument("--db", required=True)
-    s.add_argument("--out", required=True)
+    s.add_argument("--db", required=True, help="the database to copy (left as it is)")
+    s.add_argument("--out", required=True, help="the pointer-only copy to write")
     return parser
 
 

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from precompute.inputs import Context, Job, Window, add_input_arguments, document_windows, job_command
 from precompute.runs import connect, finish_job, replacing_folder, saved_folder, start_job, transaction
 from prism import PrismForCausalLM, cli
+from prism.cli import arg
 
 logger = logging.getLogger("precompute.evidence")
 
@@ -50,17 +51,17 @@ KILL_HOOK = "PRISM_EVIDENCE_KILL_AFTER_CHUNK"
 
 @dataclass
 class EvidenceArgs:
-    top_n: int = 32  # evidence rows kept per prototype
-    seq_len: int = 256  # tokens per model input window
-    batch_size: int = 8  # windows per forward pass
-    context_before: int = 12  # context tokens kept before the evidence token
-    context_after: int = 4  # and after it (within the same input window)
-    n_bins: int = 20  # activation histogram bins over [0, 1]
-    top_coactive: int = 10
-    top_next: int = 10
-    top_signature: int = 20
-    docs_per_chunk: int = 64  # checkpoint granularity
-    limit: int | None = None  # read at most this many documents
+    top_n: int = arg(32, "evidence rows kept per prototype")
+    seq_len: int = arg(256, "tokens per model input window")
+    batch_size: int = arg(8, "windows per forward pass")
+    context_before: int = arg(12, "context tokens kept before the evidence token")
+    context_after: int = arg(4, "context tokens kept after it (within the same input window)")
+    n_bins: int = arg(20, "activation histogram bins over [0, 1]")
+    top_coactive: int = arg(10, "co-active prototypes kept per prototype")
+    top_next: int = arg(10, "most frequent next tokens kept per prototype")
+    top_signature: int = arg(20, "tokens of the logit signature W p kept per prototype")
+    docs_per_chunk: int = arg(64, "documents per committed chunk (a killed job resumes after the last one)")
+    limit: int | None = arg(None, "read at most this many documents")
 
     def __post_init__(self) -> None:
         for name in ("top_n", "seq_len", "batch_size", "n_bins", "docs_per_chunk"):
@@ -528,10 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EvidenceArgs()
     add_input_arguments(parser)
-    for name, value in asdict(defaults).items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+    cli.add_dataclass_arguments(parser, EvidenceArgs)
 
 
 def evidence_args(ns: argparse.Namespace) -> EvidenceArgs:

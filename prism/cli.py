@@ -18,17 +18,28 @@ made with other arguments) turned into one line on stderr and exit code 2 instea
         return result                # tests call main(argv) and read the result
 
 Unexpected errors keep their traceback: only the kinds a command names are its users' mistakes.
+
+A job's or a run's arguments are a dataclass whose fields carry their own help, and one helper makes the flags:
+
+    @dataclass
+    class RunArgs:
+        steps: int = arg(1000, "optimizer steps")
+        limit: int | None = arg(None, "read at most this many documents")
+    add_dataclass_arguments(parser, RunArgs)        # --steps, --limit with those helps, types and defaults
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Iterator
-from typing import NoReturn
+import types
+import typing
+from collections.abc import Iterable, Iterator
+from typing import Any, NoReturn
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 FORMATTERS = {"defaults": argparse.ArgumentDefaultsHelpFormatter, "raw": argparse.RawDescriptionHelpFormatter,
@@ -79,3 +90,34 @@ def print_json(result: object, indent: int | None = None) -> None:
     """The command's result as one JSON document on stdout (values JSON does not know are written as str)."""
     sys.stdout.write(json.dumps(result, indent=indent, default=str) + "\n")
     sys.stdout.flush()
+
+
+def arg(default: Any, help: str, **kwargs) -> Any:
+    """A dataclass field with its command-line help (add_dataclass_arguments reads it); kwargs go to field()."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def add_dataclass_arguments(parser, cls, names: Iterable[str] | None = None, required: Iterable[str] = (),
+                            choices: dict[str, Iterable] | None = None, prefix: str = "") -> None:
+    """One flag per field of dataclass `cls` (or per name in `names`, in that order): --field-name (after
+    `prefix`), its type from the annotation (`X | None` takes an X, default None; bool is a store_true switch),
+    its default the field's, its help the field's `arg(..., help)`. parser may be an argument group."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    choices = choices or {}
+    for name in (names if names is not None else fields):
+        f = fields[name]
+        kind = hints[name]
+        if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        flag = "--" + (prefix + name).replace("_", "-")
+        text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", dest=prefix + name, help=text)
+        elif name in required:
+            parser.add_argument(flag, type=kind, required=True, dest=prefix + name, help=text + " (required)",
+                                choices=choices.get(name))
+        else:
+            parser.add_argument(flag, type=kind, default=default, dest=prefix + name, help=text,
+                                choices=choices.get(name))

