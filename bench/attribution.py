@@ -23,7 +23,7 @@ Steps (the paper's goals: cached >= 470x faster per query than EK-FAC at no more
              its preconditioned gradients fit in memory);
    reference exact gradients with the full coupled curvature (reference_s, all queries), from the per-token
              files (z, e, active prototypes) the cache build's fit pass kept when this bench built the cache
-             (precompute.attribution KEEP_HOOK), else by running the trainable layers over every sequence
+             (the attribution job's keep-tokens hook), else by running the trainable layers over every sequence
              (reference_source says which; the test suite checks both give the same scores).
 Prints one JSON line: latencies, one-off costs, the speed-up (ekfac_query_ms / cached_query_ms), peak RSS of each,
 and the mean top-10 overlap of cached vs reference (and of EK-FAC vs reference, for scale).
@@ -203,7 +203,7 @@ def ensure_states(ns, work: Path) -> dict:
 
 
 def kept_tokens(ns, train: list[np.ndarray]) -> Path | None:
-    """The attribution job's per-token files for this database (kept by KEEP_HOOK) if they hold exactly these
+    """The attribution job's per-token files for this database (kept by the keep-tokens hook) if they hold exactly these
     training sequences' target tokens, else None."""
     kept = cache.kept_tokens_folder(Path(ns.db))
     try:
@@ -402,18 +402,10 @@ def ensure_cache(ns) -> dict:
     if ns.in_process:
         from precompute.attribution.__main__ import main as build_cache
 
-        before = os.environ.get(cache.KEEP_HOOK)
-        os.environ[cache.KEEP_HOOK] = "1"
-        try:
-            build_cache(argv[2:])
-        finally:
-            if before is None:
-                os.environ.pop(cache.KEEP_HOOK)
-            else:
-                os.environ[cache.KEEP_HOOK] = before
+        build_cache([*argv[2:], "--hook", "keep-tokens=1"])
         rss = _self_rss_mb()
     else:
-        rss = _child(argv, {cache.KEEP_HOOK: "1"})  # the reference level reads the fit pass's token files
+        rss = _child([*argv, "--hook", "keep-tokens=1"])  # the reference level reads the fit pass's token files
     return {"cached_build_s": time.perf_counter() - t0, "cached_build_peak_rss_mb": rss, "cache_reused": False}
 
 

@@ -26,7 +26,7 @@ from precompute import attribution, evidence
 from precompute.inputs import Context, Inputs, rank_and_world, setup_distributed
 from precompute.jobs import REGISTRY
 from precompute.labels import LABELERS
-from precompute.runs import JobArgsMismatch
+from precompute.runs import JobArgsMismatch, JobHooks, add_hook_argument
 from precompute.schema import DEFAULT_JOBS, JOBS
 from precompute.ship import strip_text
 from prism import cli
@@ -43,6 +43,7 @@ def build(ns: argparse.Namespace) -> dict:
         raise ValueError(f"unknown jobs {unknown}; jobs are {', '.join(JOBS)}")
     jobs = [job for job in REGISTRY.values() if job.name in names]
     args = {job.name: job.args_from(ns) for job in jobs}  # every job's arguments are checked before any job runs
+    hooks = JobHooks.parse(ns.hook)
     summary: dict = {}
     with Inputs(ns.db, ns.model, ns.corpus) as inputs:
         inputs.model()  # a bad --model or --corpus fails here, before any job runs
@@ -51,14 +52,14 @@ def build(ns: argparse.Namespace) -> dict:
         rank, _ = rank_and_world()
         for job in jobs:
             if job.all_ranks:
-                summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite))
+                summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite, hooks))
         if dist.is_initialized():
             dist.barrier()
         if rank != 0:
             return summary
         for job in jobs:
             if not job.all_ranks:
-                summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite))
+                summary[job.name] = job.run(Context(inputs, args[job.name], ns.overwrite, hooks))
     return summary
 
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL for --labeler openai")
     b.add_argument("--llm-model", default=None, help="model name (openai) or local folder (local)")
     b.add_argument("--seed", type=int, default=0, help="seed of the map layout and label scores")
+    add_hook_argument(b)
     s = sub.add_parser("strip-text", help="write a pointer-only copy of a database (no third-party text)")
     s.add_argument("--db", required=True, help="the database to copy (left as it is)")
     s.add_argument("--out", required=True, help="the pointer-only copy to write")

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
-import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +35,16 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from precompute.inputs import Context, Job, Window, add_input_arguments, document_windows, job_command
-from precompute.runs import connect, finish_job, replacing_folder, saved_folder, start_job, transaction
+from precompute.runs import (
+    NO_HOOKS,
+    JobHooks,
+    connect,
+    finish_job,
+    replacing_folder,
+    saved_folder,
+    start_job,
+    transaction,
+)
 from prism import PrismForCausalLM, cli
 from prism.cli import arg
 
@@ -45,8 +52,6 @@ logger = logging.getLogger("precompute.evidence")
 
 NAME = "evidence"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 POSITION_BITS = 24  # key = doc_index << POSITION_BITS | token_position: documents up to 16M tokens
-# Testing hook: kill this process with SIGKILL after processing chunk N, before its checkpoint is saved.
-KILL_HOOK = "PRISM_EVIDENCE_KILL_AFTER_CHUNK"
 
 
 @dataclass
@@ -254,14 +259,13 @@ def process_windows(model: PrismForCausalLM, windows: list[Window], state: RankS
 
 
 def run_rank(model: PrismForCausalLM, tokenizer, documents, args: EvidenceArgs, work: Path, rank: int,
-             world: int) -> RankState:
+             world: int, hooks: JobHooks = NO_HOOKS) -> RankState:
     """Process this rank's share of the documents, resuming from work/rank{rank}; returns the final state."""
     folder = work / f"rank{rank}"
     state = RankState.load(folder, model.config.n_prototypes, args)
     if (folder / "complete").exists():
         return state
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    kill_after = int(os.environ.get(KILL_HOOK, "-1"))
     bar = tqdm(desc=f"evidence (rank {rank})", unit="doc", initial=state.docs_seen, disable=rank != 0)
     chunk: list[Window] = []
     chunk_docs = 0
@@ -280,13 +284,13 @@ def run_rank(model: PrismForCausalLM, tokenizer, documents, args: EvidenceArgs, 
         if chunk_docs == args.docs_per_chunk:
             _process_chunk(model, chunk, state, args, pad_id)
             state.docs_seen = position + 1
-            _maybe_kill(state, kill_after)
+            hooks.kill("chunk", state.chunks)
             state.save(folder)
             bar.update(chunk_docs * world)
             chunk, chunk_docs = [], 0
     if chunk:
         _process_chunk(model, chunk, state, args, pad_id)
-        _maybe_kill(state, kill_after)
+        hooks.kill("chunk", state.chunks)
     state.docs_seen = position + 1
     state.save(folder)
     (folder / "complete").write_text("ok")
@@ -298,11 +302,6 @@ def _process_chunk(model, chunk: list[Window], state: RankState, args: EvidenceA
     for lo in range(0, len(chunk), args.batch_size):
         process_windows(model, chunk[lo: lo + args.batch_size], state, args, pad_id)
     state.chunks += 1
-
-
-def _maybe_kill(state: RankState, kill_after: int) -> None:
-    if state.chunks == kill_after:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -466,7 +465,7 @@ def work_folder(db: Path) -> Path:
 
 
 def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: EvidenceArgs, job_args: dict,
-        overwrite: bool = False) -> dict | None:
+        overwrite: bool = False, hooks: JobHooks = NO_HOOKS) -> dict | None:
     """Run the evidence job (this process's rank) and, on rank 0, merge into the database.
 
     `documents` is an iterable of precompute.corpus.Document in a deterministic order; job_args are stored in
@@ -490,7 +489,7 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Evi
         return None
     work.mkdir(parents=True, exist_ok=True)
     model.eval()
-    state = run_rank(model, tokenizer, documents, args, work, rank, world)
+    state = run_rank(model, tokenizer, documents, args, work, rank, world, hooks)
     write_shard(state, tokenizer, work, rank)
     if dist.is_initialized():
         dist.barrier()
@@ -519,7 +518,7 @@ def run_job(context: Context) -> dict | None:
     model, tokenizer, _ = context.inputs.model()
     documents, _ = context.inputs.corpus()
     return run(context.inputs.db, model, tokenizer, documents, context.args, context.inputs.identity(),
-               overwrite=context.overwrite)
+               overwrite=context.overwrite, hooks=context.hooks)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from precompute.runs import connect
+from precompute.runs import NO_HOOKS, JobHooks, add_hook_argument, connect
 from prism import PrismForCausalLM, cli
 from prism.backbones import load_tokenizer
 
@@ -203,12 +203,13 @@ def _required(spec: str | None, what: str) -> str:
 
 @dataclass(frozen=True)
 class Context:
-    """What a job runs with: the build's inputs, its own arguments, and whether it may replace results that were
-    made with other arguments."""
+    """What a job runs with: the build's inputs, its own arguments, whether it may replace results that were made
+    with other arguments, and the hooks passed in for tests and benchmarks."""
 
     inputs: Inputs
     args: Any  # the job's arguments dataclass
     overwrite: bool = False
+    hooks: JobHooks = NO_HOOKS  # what a test or a benchmark asks beyond the arguments (precompute/runs.py)
 
 
 @dataclass(frozen=True)
@@ -238,16 +239,18 @@ def job_command(job: Job, parser: argparse.ArgumentParser, argv: list[str] | Non
     """A model-and-corpus job's own command line (python -m precompute.evidence, python -m precompute.attribution):
     parse the flags, load the inputs (a bad flag, model or corpus ends the command with one line), join the process
     group under torchrun when the job runs on every rank, run the job."""
+    add_hook_argument(parser)
     ns = cli.parse(parser, argv)
     with Inputs(ns.db, ns.model, ns.corpus) as inputs:
         with cli.expected_errors(parser, ValueError, FileNotFoundError):
             args = job.args_from(ns)
+            hooks = JobHooks.parse(ns.hook)
             inputs.model()
             inputs.corpus()
         if job.all_ranks:
             setup_distributed()
         try:
-            return job.run(Context(inputs, args, ns.overwrite))
+            return job.run(Context(inputs, args, ns.overwrite, hooks))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -11,14 +11,17 @@ JobArgsMismatch unless overwrite=True, which clears that job's tables first.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,7 +33,6 @@ from precompute.schema import JOB_TABLES, create_all
 logger = logging.getLogger(__name__)
 
 # Test hook: hold each chunk's transaction open this many seconds, so a test can kill a job inside it.
-SLEEP_ENV = "PRISM_CHUNK_SLEEP_S"
 
 
 class JobArgsMismatch(ValueError):
@@ -107,19 +109,64 @@ def clear_job(con: duckdb.DuckDBPyConnection, job: str) -> None:
         con.execute("DELETE FROM runs WHERE job = ?", [job])
 
 
-def write_chunk(con: duckdb.DuckDBPyConnection, job: str, write: Callable[[], None], progress: str) -> None:
-    """Run write() and record progress in ONE transaction: a killed job never keeps half a chunk."""
+@dataclass(frozen=True)
+class JobHooks:
+    """What a test (or a benchmark) asks of a job beyond its arguments, passed in (Context.hooks; on a command line
+    the hidden `--hook NAME=VALUE` flag), never read from the environment, never stored with the job's output:
+    kill_after_chunk  evidence: SIGKILL after chunk N, before its checkpoint;
+    kill_at           attribution: "fit:N" or "vectors:N", SIGKILL after chunk N of that pass;
+    hold_chunk_s      labels, search: hold each chunk's transaction open this long (a reader sees it open);
+    keep_tokens       attribution: keep the fit pass's per-token files beside the database (bench.attribution's
+                      reference level reads them)."""
+
+    kill_after_chunk: int | None = None
+    kill_at: str | None = None
+    hold_chunk_s: float = 0.0
+    keep_tokens: bool = False
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> JobHooks:
+        """From `--hook NAME=VALUE` items (names with dashes or underscores); ValueError for an unknown name."""
+        values: dict = {}
+        kinds = {f.name: f.type for f in fields(cls)}
+        for item in items or []:
+            name, _, value = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if name not in kinds:
+                raise ValueError(f"unknown hook {name!r}: one of {', '.join(kinds)}")
+            kind = kinds[name]
+            values[name] = (value.strip().lower() in ("1", "true", "yes") if "bool" in kind else
+                            float(value) if "float" in kind else int(value) if "int" in kind else value.strip())
+        return cls(**values)
+
+    def kill(self, kind: str, chunk: int) -> None:
+        """SIGKILL this process if a hook asks for it at this point (kill_after_chunk for kind 'chunk')."""
+        if (kind == "chunk" and self.kill_after_chunk == chunk) or self.kill_at == f"{kind}:{chunk}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+NO_HOOKS = JobHooks()
+
+
+def add_hook_argument(parser) -> None:
+    """The hidden --hook NAME=VALUE flag (repeatable) of the job commands: JobHooks.parse reads it."""
+    parser.add_argument("--hook", action="append", default=[], metavar="NAME=VALUE", help=argparse.SUPPRESS)
+
+
+def write_chunk(con: duckdb.DuckDBPyConnection, job: str, write: Callable[[], None], progress: str,
+                hold_s: float = 0.0) -> None:
+    """Run write() and record progress in ONE transaction: a killed job never keeps half a chunk. hold_s keeps the
+    transaction open that long (JobHooks.hold_chunk_s, for tests of what a reader sees meanwhile)."""
     with transaction(con):
         write()
-        delay = float(os.environ.get(SLEEP_ENV, "0") or 0)
-        if delay > 0:
-            logger.info("%s: holding the chunk's transaction %.1f s (%s)", job, delay, SLEEP_ENV)
-            time.sleep(delay)
+        if hold_s > 0:
+            logger.info("%s: holding the chunk's transaction %.1f s (hold_chunk_s hook)", job, hold_s)
+            time.sleep(hold_s)
         set_progress(con, job, "last_prototype_id", progress)
 
 
 def write_in_chunks(con: duckdb.DuckDBPyConnection, job: str, todo: list[int], batch_size: int,
-                    prepare: Callable[[list[int]], tuple[int, Callable[[], None]]]) -> int:
+                    prepare: Callable[[list[int]], tuple[int, Callable[[], None]]], hold_s: float = 0.0) -> int:
     """Work through prototype ids in chunks of batch_size: prepare(chunk) computes the chunk's rows outside any
     transaction and returns (how many, write); write() then runs with the chunk's progress in one transaction
     (write_chunk). Returns the number of rows written."""
@@ -128,7 +175,7 @@ def write_in_chunks(con: duckdb.DuckDBPyConnection, job: str, todo: list[int], b
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             n_rows, write = prepare(chunk)
-            write_chunk(con, job, write, str(chunk[-1]))
+            write_chunk(con, job, write, str(chunk[-1]), hold_s)
             written += n_rows
             bar.update(len(chunk))
             logger.info("%s: committed prototypes %d-%d (%d/%d)", job, chunk[0], chunk[-1], start + len(chunk),

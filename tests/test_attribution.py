@@ -419,9 +419,9 @@ def test_exact_shares_equal_one_float64_product():
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     for where in ("fit:2", "vectors:2"):
         db = tmp_path / f"killed-{where.replace(':', '')}.duckdb"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), cache.KILL_HOOK: where}
-        proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db)], env=env, capture_output=True,
-                              text=True, timeout=600)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db), "--hook", f"kill-at={where}"],
+                              env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == -9, proc.stderr[-2000:]
         assert cache.work_folder(db).exists()
         if where.startswith("vectors"):  # two chunks committed, the rest missing

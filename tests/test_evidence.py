@@ -15,7 +15,7 @@ from helpers import tiny_backbone_dir, write_corpus
 
 from app.render import segments_html
 from precompute.__main__ import main as precompute_main
-from precompute.evidence import KILL_HOOK, EvidenceArgs
+from precompute.evidence import EvidenceArgs
 from precompute.evidence import run as run_evidence
 from precompute.inputs import encode_sequence
 from precompute.query import UnknownPrototype, evidence, open_db, prototype_card, prototype_table
@@ -122,9 +122,9 @@ def test_evidence_is_exact_and_matches_brute_force(setup, built):
 @pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     db = tmp_path / "killed.duckdb"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), KILL_HOOK: "3"}
-    proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db), "--hook", "kill-after-chunk=3"],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert (db.parent / (db.name + ".evidence") / "rank0").exists()  # chunks 1-2 were checkpointed
     precompute_main(_argv(setup, db))

@@ -35,3 +35,17 @@ def test_a_bad_flag_of_a_later_job_stops_the_build_before_any_job_runs(tmp_path,
               "--labeler", "openai"])
     assert exit_info.value.code == 2 and "--endpoint" in capsys.readouterr().err
     assert not db.exists()
+
+
+def test_job_hooks_are_parsed_from_the_command_line_and_refuse_unknown_names():
+    from precompute.runs import NO_HOOKS, JobHooks
+
+    hooks = JobHooks.parse(["kill-after-chunk=3", "kill_at=fit:2", "hold-chunk-s=0.5", "keep-tokens=1"])
+    assert hooks == JobHooks(kill_after_chunk=3, kill_at="fit:2", hold_chunk_s=0.5, keep_tokens=True)
+    assert JobHooks.parse([]) == NO_HOOKS == JobHooks() and JobHooks.parse(["keep-tokens=0"]).keep_tokens is False
+    with pytest.raises(ValueError, match="unknown hook 'kil_after_chunk'"):
+        JobHooks.parse(["kil-after-chunk=3"])
+    with pytest.raises(ValueError):
+        JobHooks.parse(["kill-after-chunk=three"])
+    hooks.kill("chunk", 2)  # not the chunk it names: nothing happens (the kill itself is checked by the
+    hooks.kill("vectors", 2)  # evidence, attribution and labels resume tests, in a subprocess)

@@ -24,7 +24,6 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from precompute import labels as labels_job
-from precompute import runs
 from precompute.labels import (
     LabelerError,
     LabelResult,
@@ -393,8 +392,9 @@ def test_job_needs_finished_evidence(tmp_path):
 def _run_until_killed(db: Path, n_chunks: int) -> str:
     """Start the labels CLI (one prototype per chunk, each transaction held open 1 s), SIGKILL it once it has
     committed n_chunks chunks, i.e. while it sits inside the next chunk's transaction with rows written."""
-    env = {**os.environ, runs.SLEEP_ENV: "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "precompute.labels", "--db", str(db), "--batch-size", "1"],
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "precompute.labels", "--db", str(db), "--batch-size", "1",
+                             "--hook", "hold-chunk-s=1"],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     log, watchdog = [], threading.Timer(300, proc.kill)  # a hung job fails the test instead of hanging it
     watchdog.start()

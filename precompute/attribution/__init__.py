@@ -56,8 +56,6 @@ from precompute.attribution.cache import (
 )
 from precompute.attribution.job import (
     JOB,
-    KEEP_HOOK,
-    KILL_HOOK,
     AttributionArgs,
     add_arguments,
     attribution_args,
@@ -66,7 +64,7 @@ from precompute.attribution.job import (
     work_folder,
 )
 
-__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_ENTRY_ARRAYS", "EXACT_FORMAT", "JOB", "KEEP_HOOK", "KILL_HOOK", "NAME",
+__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_ENTRY_ARRAYS", "EXACT_FORMAT", "JOB", "NAME",
            "RERANK", "SequenceCatalog", "AttributionArgs", "add_arguments", "attribution_args", "attribution_rows",
            "document_text", "exact_folder", "has_attribution", "index_folder_for", "kept_tokens_folder",
            "load_curvature", "load_exact_store", "load_factors", "load_index", "run", "sequence_token_ids", "sequences",

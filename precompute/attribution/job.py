@@ -10,9 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import shutil
-import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +22,8 @@ from tqdm.auto import tqdm
 from precompute.attribution.cache import EXACT_ENTRY_ARRAYS, EXACT_FORMAT, NAME, exact_folder, index_parts, load_factors
 from precompute.inputs import Context, Job, Window, document_windows
 from precompute.runs import (
+    NO_HOOKS,
+    JobHooks,
     connect,
     finish_job,
     get_progress,
@@ -50,13 +50,6 @@ from prism.cli import arg
 
 logger = logging.getLogger("precompute.attribution")
 
-# Testing hook: "fit:N" or "vectors:N" kills this process with SIGKILL after chunk N of that pass, before the
-# chunk's checkpoint (fit) or right after its commit (vectors).
-KILL_HOOK = "PRISM_ATTRIBUTION_KILL_AT"
-# Benchmark hook: when set, the fit pass's per-token files (z, e, active prototypes, ...) are kept in
-# kept_tokens_folder(db) instead of deleted, so bench.attribution's reference level reads them instead of running
-# the model over every training sequence again. Not a job argument: it changes nothing in the database.
-KEEP_HOOK = "PRISM_ATTRIBUTION_KEEP_TOKENS"
 
 
 @dataclass
@@ -220,17 +213,12 @@ def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.nd
 
 
 def _keep_tokens(db: Path, work: Path, state: FitState, d_model: int, top_k: int) -> None:
-    """KEEP_HOOK: move the token files to kept_tokens_folder(db) with what they hold (meta.json last)."""
+    """The keep_tokens hook: move the token files to kept_tokens_folder(db) with what they hold (meta.json last)."""
     kept = kept_tokens_folder(db)
     shutil.rmtree(kept, ignore_errors=True)
     (work / "tokens").rename(kept)
     (kept / "meta.json").write_text(json.dumps({"n_tokens": state.n_tokens, "n_sequences": state.n_sequences,
                                                 "d_model": d_model, "top_k": top_k}))
-
-
-def _kill_at(kind: str, chunk: int) -> None:
-    if os.environ.get(KILL_HOOK, "") == f"{kind}:{chunk}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -264,7 +252,8 @@ def _process_windows(model: PrismForCausalLM, windows: list[Window], state: FitS
         seq["loss"].append(float(losses[b]))
 
 
-def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, work: Path) -> FitState:
+def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, work: Path,
+            hooks: JobHooks = NO_HOOKS) -> FitState:
     """Pass 1, resumable: every training window once through the model."""
     state = FitState.load(work / "fit", model)
     files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
@@ -284,7 +273,7 @@ def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs
             _process_windows(model, chunk[lo: lo + args.batch_size], state, files, pad_id)
         bar.update(len(chunk))
         state.chunks += 1
-        _kill_at("fit", state.chunks)
+        hooks.kill("fit", state.chunks)
         state.docs_bytes = docs_file.stat().st_size
         state.save(work / "fit")
 
@@ -396,7 +385,7 @@ def _write_factors(con, model, tokenizer, state: FitState, work: Path, args: Att
 
 
 def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor], state: FitState,
-                   args: AttributionArgs, files: TokenFiles, offsets: np.ndarray) -> int:
+                   args: AttributionArgs, files: TokenFiles, offsets: np.ndarray, hooks: JobHooks = NO_HOOKS) -> int:
     """Pass 3: the cached vectors, chunk by chunk, each chunk committed with its progress."""
     whitening, basis = index_parts
     start = int(get_progress(con, NAME, "next_sequence", "0"))
@@ -424,13 +413,13 @@ def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor],
             set_progress(con, NAME, "next_sequence", str(hi))
         written += len(frame)
         bar.update(hi - lo)
-        _kill_at("vectors", chunk_number)
+        hooks.kill("vectors", chunk_number)
     bar.close()
     return written
 
 
 def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, job_args: dict,
-        overwrite: bool = False) -> dict | None:
+        overwrite: bool = False, hooks: JobHooks = NO_HOOKS) -> dict | None:
     """Run (or resume) the attribution job into the database; None when it is already built with these
     arguments. `documents` is a re-iterable of precompute.corpus.Document in a deterministic order."""
     db = Path(db)
@@ -447,14 +436,14 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
             for stale in (kept_tokens_folder(db), exact_folder(db)):  # an earlier build's
                 shutil.rmtree(stale, ignore_errors=True)
         model.eval()
-        state = run_fit(model, tokenizer, documents, args, work)
+        state = run_fit(model, tokenizer, documents, args, work, hooks)
         files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
         offsets = _sequence_token_ranges(state)
         if get_progress(con, NAME, "phase") != "vectors":
             _write_factors(con, model, tokenizer, state, work, args, files, offsets)
         factors = load_factors(con)
         parts = index_parts(factors)
-        written = _write_vectors(con, model, parts, state, args, files, offsets)
+        written = _write_vectors(con, model, parts, state, args, files, offsets, hooks)
         n_rows = con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0]
         write_exact_store(model, files, offsets, n_rows, exact_folder(db), job_run_id(con, NAME),
                           parts[0].output_vectors, args.sequences_per_chunk)
@@ -463,7 +452,7 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
         summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
                    "rows": con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0],
                    "rows_this_run": written, "rank": int(factors["basis"].shape[1])}
-        if os.environ.get(KEEP_HOOK):
+        if hooks.keep_tokens:
             _keep_tokens(db, work, state, model.d_model, model.config.top_k)
     finally:
         con.close()
@@ -494,7 +483,7 @@ def run_job(context: Context) -> dict | None:
     model, tokenizer, _ = context.inputs.model()
     documents, _ = context.inputs.corpus()
     return run(context.inputs.db, model, tokenizer, documents, context.args, context.inputs.identity(),
-               overwrite=context.overwrite)
+               overwrite=context.overwrite, hooks=context.hooks)
 
 
 JOB = Job(NAME, AttributionArgs, run_job, args_from=attribution_args)

@@ -17,7 +17,7 @@ from pathlib import Path
 from precompute.inputs import Context, Inputs
 from precompute.labels.job import JOB, LABELERS, N_NEGATIVES, LabelsArgs, category_mix
 from precompute.labels.labeler import LabelerError
-from precompute.runs import JobArgsMismatch
+from precompute.runs import JobArgsMismatch, JobHooks, add_hook_argument
 from prism import cli
 
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-negatives", type=int, default=N_NEGATIVES, help="random contexts scored against")
     parser.add_argument("--batch-size", type=int, default=64, help="prototypes per transaction")
     parser.add_argument("--overwrite", action="store_true", help="replace labels made with other arguments")
+    add_hook_argument(parser)
     return parser
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.fail(parser, f"no database at {args.db}: run the evidence job first (python -m precompute build)")
     errors = (JobArgsMismatch, LabelerError, RuntimeError, ValueError, FileNotFoundError)
     with cli.expected_errors(parser, *errors), Inputs(args.db) as inputs:
-        written = JOB.run(Context(inputs, job_args, args.overwrite))
+        written = JOB.run(Context(inputs, job_args, args.overwrite, JobHooks.parse(args.hook)))
         mix = category_mix(inputs.connection())
     total = sum(row[1] for row in mix)
     print(f"labels: wrote {written} rows; {total} prototypes labelled")  # noqa: T201 - the command's output

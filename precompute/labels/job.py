@@ -6,9 +6,9 @@ labeler, explanation) and its siblings in `label_siblings`.
 The job is resumable: prototypes are labelled in id order, in chunks, and each chunk's rows are written together
 with its progress in one transaction, so a killed job that is started again writes exactly the rows an
 uninterrupted run writes. Its arguments (labeler, seed, ...) are stored; other arguments need --overwrite.
-For tests, the environment variable PRISM_CHUNK_SLEEP_S (precompute.runs.SLEEP_ENV) holds each chunk's
-transaction open that many seconds (after the rows are written, before the commit) so a test can kill the job
-mid-transaction.
+For tests, the hold_chunk_s hook (precompute.runs.JobHooks; `--hook hold-chunk-s=1` on the command line) holds
+each chunk's transaction open that many seconds (after the rows are written, before the commit) so a test can kill
+the job mid-transaction.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ LABEL_COLUMNS = ("prototype_id", "category", "label", "label_score", "labeler", 
 
 
 def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrite: bool = False,
-        batch_size: int = 64, seed: int = 0, n_negatives: int = N_NEGATIVES) -> int:
+        batch_size: int = 64, seed: int = 0, n_negatives: int = N_NEGATIVES, hold_chunk_s: float = 0.0) -> int:
     """Label every prototype of prototype_stats; returns the number of rows written by this call.
 
     Every labeler's rows get both held-out scores (label_score, sibling_score; precompute/labels/contrast.py) and the
@@ -108,7 +108,7 @@ def run(con: duckdb.DuckDBPyConnection, labeler: Labeler | None = None, overwrit
 
         return len(rows), write
 
-    written = write_in_chunks(con, NAME, todo, batch_size, prepare)
+    written = write_in_chunks(con, NAME, todo, batch_size, prepare, hold_chunk_s)
     finish_job(con, NAME)
     return written
 
@@ -163,7 +163,7 @@ def run_job(context: Context) -> int:
     api_key = os.environ.get(a.api_key_env) if a.api_key_env else None
     labeler = make_labeler(a.labeler, a.endpoint, a.llm_model, api_key, a.timeout)
     return run(context.inputs.connection(), labeler, overwrite=context.overwrite, batch_size=a.batch_size,
-               seed=a.seed, n_negatives=a.n_negatives)
+               seed=a.seed, n_negatives=a.n_negatives, hold_chunk_s=context.hooks.hold_chunk_s)
 
 
 JOB = Job(NAME, LabelsArgs, run_job,
