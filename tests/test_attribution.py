@@ -761,6 +761,7 @@ def test_scaling_bench_runs_each_size_and_resumes(setup, tmp_path, capsys):
     result = scaling.main(argv)
     lines = [json.loads(t) for t in (tmp_path / "out" / "scaling.jsonl").read_text().splitlines()]
     assert [line["n_train"] for line in lines] == [12, 24] == result["sizes"]
+    assert all(line["machine"] == scaling.machine_label() and line["measured_on"] for line in lines)  # date, CPU
     assert lines[0]["speedup"] == pytest.approx(lines[0]["ekfac_query_ms"] / lines[0]["cached_query_ms"])
     assert "ekfac_query_ms" not in lines[1] and result["largest_ekfac_size"] == 12
     assert result["lines"][1]["ekfac_query_ms_extrapolated"] == pytest.approx(24 / 12 * lines[0]["ekfac_query_ms"])
