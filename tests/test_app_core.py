@@ -372,3 +372,30 @@ def test_without_a_database(bare, tmp_path, tmp_path_factory):
         loaded.need_db().card(0)
     missing = Studio.load(model_path, tmp_path / "missing.duckdb")
     assert missing.db is None and "no database" in missing.db_error
+
+
+def test_a_token_click_crosses_into_the_library_once_and_changes_no_value(studio, monkeypatch):
+    """handlers.decompose on a token of the intervened text: one call of prism.explain.explain_token (the
+    decomposition, alternatives, carried share and what changed, all from it), and the session's generations are
+    the same values after the click (generations are immutable: nothing is written into them)."""
+    import app.core as core
+
+    settings = GenerationSettings(PROMPT, max_new_tokens=6)
+    pid = changing_prototype(studio, settings)
+    session = interventions.suppress(studio, pid, Session()).session
+    *_, session, result = list(handlers.generate(studio, PROMPT, 6, 0, 1, 0, session))[-1]
+    calls = []
+    real = core.explain_token
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("against"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "explain_token", counted)
+    before = (session.original.steps, session.intervened.steps, session.intervened.notes)
+    token = handlers.decompose(studio, "intervened", result["first_change"], session)
+    assert len(calls) == 1 and calls[0] is not None  # one crossing, the comparison with the original included
+    assert token.token_json["why_changed"]["flip_set"] and token.proto_id == token.active[0][0]
+    assert (session.original.steps, session.intervened.steps, session.intervened.notes) == before
+    with pytest.raises(AttributeError):
+        session.intervened.steps[0].text = "x"  # a frozen value
