@@ -19,7 +19,9 @@ import logging
 import threading
 import weakref
 
+from app import limits
 from app.core import AppError, Database, Generation, Studio
+from app.messages import problem
 from app.render import attribution_html
 from precompute import attribution as cache
 from prism.attribution import CachedIndex, query_gradient, top_sequences
@@ -93,15 +95,13 @@ def attribution_panel(studio: Studio, run: str, index, session) -> tuple[str, di
     """Gradio handler: (panel HTML, data) for the selected token of the original or intervened text."""
     try:
         if run not in RUNS:
-            raise AppError(f"run must be 'original' or 'intervened', got {run!r}")
+            raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
         gen = session.original if run == "original" else session.intervened
         if gen is None:
             raise AppError("generate first" if run == "original" else "there is no intervened text")
-        data = attribute_token(studio, gen, int(index or 0))
+        data = attribute_token(studio, gen, limits.whole("the token index", index, -2**31, 2**31, default=0))
     except AppError as err:
-        return f'<p class="prism-attribution-status">⚠️ {html.escape(str(err))}</p>', None
-    except (TypeError, ValueError) as err:
-        return f'<p class="prism-attribution-status">⚠️ {html.escape(str(err))}</p>', None
+        return f'<p class="prism-attribution-status">{html.escape(problem(err))}</p>', None
     head = (f'<p class="prism-attribution-status"><b>Training data behind token {data["index"]} '
             f'{html.escape(repr(data["token"]))}</b>: the training sequences whose loss gradient, through the '
             f'token\'s active prototypes {", ".join(f"#{p}" for p in data["prototype_ids"])} and those co-used with '

@@ -35,7 +35,7 @@ def check_prototype(prototype_id, n_prototypes: int) -> int:
     if isinstance(prototype_id, str):
         prototype_id = prototype_id.strip()
         if not prototype_id.lstrip("-").isdigit():
-            raise AppError(f"a prototype id is a whole number, got {prototype_id[:40]!r}")
+            raise AppError(f"a prototype id is a whole number, got {limits.shown(prototype_id)}")
     x = limits.number("a prototype id", prototype_id, -math.inf, math.inf)
     if x != int(x):
         raise AppError(f"a prototype id is a whole number, got {x:g}")
@@ -46,7 +46,7 @@ def check_prototype(prototype_id, n_prototypes: int) -> int:
 
 def clean_query(text: str) -> str:
     """A search string as the database sees it: printable characters only, at most MAX_QUERY_CHARS."""
-    text = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()
+    text = "".join(ch for ch in limits.text("the search", text, 100_000) if ch.isprintable()).strip()
     if not text:
         raise AppError("type something to search for")
     return text[:MAX_QUERY_CHARS]
@@ -110,7 +110,7 @@ class Database:
             rows = self.run(semantic_search, needle, k=k, kind="all")
             return [{"prototype_id": r["prototype_id"], "label": r["label"], "category": r["category"],
                      "score": r["score"], "matched": r["kind"]} for r in rows]
-        raise AppError(f"search mode must be 'label' or 'semantic', got {mode!r}")
+        raise AppError(f"search mode must be 'label' or 'semantic', got {limits.shown(mode)}")
 
     def filters(self) -> list[str]:
         """What the browser's category filter offers: the database's categories, then 'unlabelled' (no label) and
@@ -120,9 +120,9 @@ class Database:
     def table(self, category: str | None = None, order_by: str = "activation_count") -> list[dict]:
         """Every prototype of the database (or of one category / filter), sorted."""
         if category and category not in self.filters():
-            raise AppError(f"unknown category {category!r}: one of {', '.join(self.filters())}")
+            raise AppError(f"unknown category {limits.shown(category)}: pick one from the list")
         if order_by not in query.ORDERINGS:
-            raise AppError(f"sort by one of {', '.join(query.ORDERINGS)}, got {order_by!r}")
+            raise AppError(f"sort by one of {', '.join(query.ORDERINGS)}, got {limits.shown(order_by)}")
         if category in (UNLABELLED, NEVER_ACTIVE):
             rows = self.run(query.prototype_table, order_by=order_by)
             if category == UNLABELLED:
@@ -133,7 +133,7 @@ class Database:
     def category_ids(self, category: str) -> list[int]:
         ids = [p for p, (_, c) in self.labels.items() if c == category]
         if not ids:
-            raise AppError(f"no prototype has category {category!r}")
+            raise AppError(f"no prototype has category {limits.shown(category)}")
         return sorted(ids)
 
     def presets(self) -> list[dict]:
@@ -149,7 +149,7 @@ class Database:
             if str(name) in (preset["name"], preset["title"]):
                 return preset["title"], self.run(query.preset_ids, preset["name"])
         known = ", ".join(p["name"] for p in self.presets()) or "none in this database"
-        raise AppError(f"no preset {str(name)[:60]!r}; presets: {known}")
+        raise AppError(f"no preset {limits.shown(name)}; presets: {known}")
 
     def map_points(self) -> list[dict]:
         """The map's points, read once: the database is read-only and the map follows every search and card."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import controllers as app_controllers
-from app import export, plots, render, share
+from app import export, limits, plots, render, share
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
 from app.core import (
@@ -248,7 +248,7 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
     top prototype's id to open its card, session, the data as JSON), from one call into the library."""
     try:
         if run not in RUNS:
-            raise AppError(f"run must be 'original' or 'intervened', got {run!r}")
+            raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
         gen = session.original if run == "original" else session.intervened
         if gen is None:
             raise AppError("generate first" if run == "original" else
@@ -376,9 +376,11 @@ def search(studio: Studio, text: str, mode: str, category: str, order: str):
     When none passes, the N_NEAREST nearest are listed with their similarity and the status says so, instead of an
     empty table. Returns (rows, status)."""
     try:
+        text = limits.text("the search", text, 100_000)
+        category = limits.text("the category", category, 1_000) if not isinstance(category, str | None) else category
         category = None if category in (None, "", "all") else category
-        if order not in ORDERINGS:
-            raise AppError(f"sort by one of {', '.join(ORDERINGS)}, got {order!r}")
+        if not isinstance(order, str) or order not in ORDERINGS:
+            raise AppError(f"sort by one of {', '.join(ORDERINGS)}, got {limits.shown(order)}")
         listed = studio.need_db().table(category, "prototype_id")
         if not (text or "").strip():
             rows = [{**r, "similarity": None} for r in listed]
@@ -423,11 +425,15 @@ def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = Non
     starred, other categories greyed out when the filter names one."""
     try:
         highlight = set()
-        if (text or "").strip() and table is not None:
-            ids = table.iloc[:, 0].tolist() if hasattr(table, "iloc") else [r[0] for r in table or []]
-            highlight = {int(i) for i in ids if str(i).strip().lstrip("-").isdigit()}
-        selected = int(card["prototype_id"]) if isinstance(card, dict) and "prototype_id" in card else None
-        category = None if category in (None, "", "all") else category
+        if isinstance(text, str) and text.strip() and table is not None:
+            if hasattr(table, "iloc"):
+                ids = table.iloc[:, 0].tolist() if table.shape[1] else []
+            else:  # rows as the API sends them: anything that is not a row of cells is ignored
+                ids = [r[0] for r in (table if isinstance(table, list) else []) if isinstance(r, list | tuple) and r]
+            highlight = {int(i) for i in ids if str(i).strip().lstrip("-").isdigit() and len(str(i)) < 12}
+        selected = card.get("prototype_id") if isinstance(card, dict) else None
+        selected = selected if isinstance(selected, int) and not isinstance(selected, bool) else None
+        category = category if isinstance(category, str) and category not in ("", "all") else None
         return plots.map_figure(studio.need_db().map_points(), highlight, selected, category)
     except AppError as err:
         return plots.empty_figure(str(err))
@@ -464,8 +470,13 @@ def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: 
     try:
         settings = _settings(studio, prompt, max_new_tokens, temperature, top_p, seed)
         studio.encode_prompt(settings)  # the same checks as Generate: a link always restores something usable
-        selected = (run, int(token["index"])) if token and run in RUNS else None
-        url = f"{_base_url(request)}?{share.PARAM}={share.encode_link(studio, settings, session, selected)}"
+        selected = None
+        if isinstance(token, dict) and token.get("index") is not None and run in RUNS:
+            index = limits.whole("the explained token's index", token["index"], 0, settings.max_new_tokens - 1)
+            selected = (run, index)
+        link = share.encode_link(studio, settings, session, selected)
+        share.decode_link(studio, link)  # opened by the same rules it was made by: a link it gives always opens
+        url = f"{_base_url(request)}?{share.PARAM}={link}"
     except (AppError, TypeError, ValueError) as err:
         return "", problem(err)
     notes = [] if session.controller is None or session.controller_name else [
@@ -559,17 +570,20 @@ def export_evidence(studio: Studio, prototype_id):
 def import_interventions(studio: Studio, upload, session: Session):
     """Replace the session's interventions with those of an exported file. Returns (session, rows, status, mode)."""
     try:
-        if not upload:
+        name = upload if isinstance(upload, str) else getattr(upload, "name", None)
+        if not upload or not isinstance(name, str) or not name:
             raise AppError("choose an interventions file (Export interventions writes one)")
-        path = Path(upload if isinstance(upload, str) else getattr(upload, "name", ""))
+        path = Path(limits.text("the file's name", name, 4096))
         if path.stat().st_size > share.MAX_JSON_BYTES:
             raise AppError("this file is too large to be an interventions file")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise AppError(f"this file is not JSON ({err})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise AppError("this file is not an interventions file (not JSON, or nested too deeply)") from None
         session = share.import_interventions(studio, data, session)
-    except (AppError, OSError) as err:
+    except AppError as err:
         return session, session.rows(), problem(err), gr.skip()
+    except (OSError, ValueError):  # the upload vanished or cannot be read: say so without its server path
+        return session, session.rows(), problem("the uploaded file could not be read: upload it again"), gr.skip()
     return session, session.rows(), ok(f"imported {session.n_rows} intervention(s). Generate again "
                                                        "to compare."), session.suppress_mode

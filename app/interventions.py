@@ -55,9 +55,10 @@ def suppress_category(studio: Studio, category: str, session: Session):
 @guarded
 def suppress_search(studio: Studio, text: str, mode: str, session: Session):
     def make():
+        needle = limits.text("the search", text, 100_000)
         kind = "semantic" if mode == "semantic" else "label"
-        ids = [r["prototype_id"] for r in studio.need_db().search(text, kind, k=10 if kind == "semantic" else 10_000)]
-        return group_item("search", f"{kind} {text.strip()[:60]!r}", ids)
+        ids = [r["prototype_id"] for r in studio.need_db().search(needle, kind, k=10 if kind == "semantic" else 10_000)]
+        return group_item("search", f"{kind} {needle.strip()[:60]!r}", ids)
 
     return _intervened(studio, session, make)
 

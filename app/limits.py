@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -90,6 +91,12 @@ class Limits:
 # Numbers from the page or the API: finite, in range, or a short message.
 
 
+def shown(value, max_chars: int = 40) -> str:
+    """A user's input as a message quotes it: its repr, cut to max_chars (a 60k-character input is not echoed)."""
+    text = repr(value) if isinstance(value, str) else repr(str(value)) if value is not None else "nothing"
+    return text if len(text) <= max_chars else text[: max_chars - 2] + "…'"
+
+
 def number(name: str, value, low: float, high: float, default: float | None = None) -> float:
     """value as a finite float in [low, high]; None or "" reads as `default` when one is given."""
     if value is None or (isinstance(value, str) and not value.strip()):
@@ -97,11 +104,11 @@ def number(name: str, value, low: float, high: float, default: float | None = No
             raise AppError(f"{name} is missing")
         return float(default)
     if isinstance(value, bool):
-        raise AppError(f"{name} must be a number, got {value!r}")
+        raise AppError(f"{name} must be a number, got {shown(value)}")
     try:
         x = float(value)
     except (TypeError, ValueError, OverflowError):
-        raise AppError(f"{name} must be a number, got {str(value)[:40]!r}") from None
+        raise AppError(f"{name} must be a number, got {shown(value)}") from None
     if not math.isfinite(x):
         raise AppError(f"{name} must be a finite number, got {x}")
     if not low <= x <= high:
@@ -166,6 +173,10 @@ class SessionBuckets:
 # Gradio's routes that start work: joining the queue, the queue-less route, the REST API and uploads.
 LIMITED_SUFFIXES = ("/queue/join", "/run/predict", "/upload")
 LIMITED_PARTS = ("/call/",)
+# Gradio's direct routes, /run/<api name> and /api/<api name>, run an event outside the queue (on a Space Gradio
+# closes them; elsewhere it does not): closed here wherever the app runs. /run/predict (the page's queue-less
+# events) stays, limited.
+CLOSED_ROUTE = re.compile(r"/(run|api)/(?!predict/?$)[^/]+/?$")
 MAX_BODY_BYTES = 2_000_000  # a join or predict body (uploads are not read here: Gradio's max_file_size bounds them)
 
 
@@ -176,15 +187,22 @@ class RequestLimiter:
     (all its events, those in the same concurrency group as fn_index, whether that group is the model's)."""
 
     def __init__(self, app, limits: Limits,
-                 pending: Callable[[str, int | None], tuple[int, int, bool]] | None = None) -> None:
+                 pending: Callable[[str, int | None], tuple[int, int, bool]] | None = None,
+                 known_event: Callable[[int], bool] | None = None) -> None:
         self.app = app
         self.limits = limits
         self.buckets = SessionBuckets(limits.requests_per_s, limits.burst)
         self.pending = pending or (lambda _session, _fn: (0, 0, False))
+        self.known_event = known_event or (lambda _fn: True)
         self.refused = 0  # how many requests were refused (for the log and the tests)
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if scope.get("method") == "POST" and CLOSED_ROUTE.search(path):
+            self.refused += 1
+            await _refuse(send, 404, "This route is closed: call the app through its queue (gradio_client, or POST "
+                                     "/gradio_api/call/<api name>).")
+            return
         if scope.get("method") != "POST" or not (path.endswith(LIMITED_SUFFIXES)
                                                  or any(p in path for p in LIMITED_PARTS)):
             await self.app(scope, receive, send)
@@ -196,6 +214,10 @@ class RequestLimiter:
                 await _refuse(send, 413, "This request is too large.")
                 return
             session, fn_index = _session_and_fn(body)
+            if fn_index is not None and not self.known_event(fn_index):
+                self.refused += 1
+                await _refuse(send, 404, "No such event on this page: reload the page.")
+                return
         key = f"session:{session}" if session else _address(scope)
         wait = self.buckets.take(key)
         if wait > 0:

@@ -27,7 +27,7 @@ def guarded(fn):
 
     def fail(err: Exception) -> gr.Error:
         if isinstance(err, AppError):
-            return gr.Error(str(err)[:300])
+            return gr.Error(short(err))
         logger.exception("%s failed", fn.__name__)
         return gr.Error(f"Something went wrong on the server in {fn.__name__} (it is logged); nothing was changed. "
                         "Try other input or reload the page.")
@@ -54,9 +54,18 @@ def guarded(fn):
     return wrapped
 
 
+MAX_MESSAGE_CHARS = 200  # a status line; an input quoted in a message is cut far shorter (limits.shown)
+
+
 def ok(message: str) -> str:
     return message
 
 
-def problem(err: Exception) -> str:
-    return f"⚠️ {err}"
+def short(message: object) -> str:
+    """A message cut to MAX_MESSAGE_CHARS (a refusal never echoes a long input back whole)."""
+    text = str(message)
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
+
+
+def problem(err: Exception | str) -> str:
+    return "⚠️ " + short(err)

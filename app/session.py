@@ -106,7 +106,8 @@ class Session:
         mode = names.get(str(mode), str(mode))
         if mode not in SUPPRESS_MODES:
             raise ValueError(f"suppress mode must be one of {', '.join(SUPPRESS_MODES)} "
-                             f"({'; '.join(f'{k}: {v}' for k, v in SUPPRESS_MODE_NAMES.items())}), got {mode!r}")
+                             f"({'; '.join(f'{k}: {v}' for k, v in SUPPRESS_MODE_NAMES.items())}), got "
+                             f"{mode[:30]!r}")
         return replace(self, suppress_mode=mode)
 
     def interventions(self) -> Interventions:

@@ -177,7 +177,7 @@ def decode_link(studio: Studio, token: str) -> Link:
         raise LinkError(damaged)
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise LinkError(damaged) from None
     if not isinstance(data, dict) or data.get("v") != LINK_VERSION:
         raise LinkError(f"this link was made by another version of the app (it is not version {LINK_VERSION})")
@@ -210,6 +210,10 @@ def decode_link(studio: Studio, token: str) -> Link:
         selected = (selected["run"], selected["index"])
     settings = GenerationSettings(prompt=prompt, max_new_tokens=max_new, temperature=float(temperature),
                                   top_p=float(top_p), seed=seed)
+    try:  # the rules Generate and Copy link apply (text that is not valid UTF-8, a prompt of too many tokens, ...)
+        studio.encode_prompt(studio.check_settings(settings))
+    except AppError as err:
+        raise LinkError(f"the link's settings cannot be used: {err}") from None
     return Link(settings=settings, session=session, selected=selected)
 
 

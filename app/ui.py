@@ -378,4 +378,5 @@ def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, sh
                        css=CSS, js=MAP_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
                        show_error=False, max_file_size=limits.max_upload_bytes,
                        state_session_capacity=limits.max_sessions,
-                       app_kwargs={"middleware": [Middleware(RequestLimiter, limits=limits, pending=pending)]})
+                       app_kwargs={"middleware": [Middleware(RequestLimiter, limits=limits, pending=pending,
+                                                          known_event=lambda fn: fn in demo.fns)]})
