@@ -51,6 +51,13 @@ class Limits:
     max_pending_model: int = 2
     session_ttl_s: int = 1800  # an idle session's state (texts, interventions) is dropped after this
     max_sessions: int = 1000  # sessions whose state is kept at once (the oldest go first)
+    # New sessions per client address: a page load makes one, so a visitor opening pages now and then never meets
+    # this, while minting fresh session hashes to push others' sessions out of the store is held to this rate.
+    new_sessions_per_minute: float = 20.0
+    new_sessions_burst: int = 20
+    # Proxies in front of the app that append the client's address to X-Forwarded-For (a Space has one): the
+    # client is that many entries from the right; entries further left are whatever the client sent.
+    trusted_proxies: int = 1
     # Hidden states of a generation are kept for fast clicks while the text is short: (T, d) floats, 576 x 4 bytes
     # per token for SmolLM2; longer texts recompute them on each click (one forward pass).
     keep_states_tokens: int = 256
@@ -74,6 +81,9 @@ class Limits:
             "max_pending_model": "model events (generate, explain, training data) of one session queued at once",
             "session_ttl_s": "an idle session's state is dropped after this many seconds",
             "max_sessions": "sessions whose state is kept at once",
+            "new_sessions_per_minute": "new sessions one client address may open per minute, sustained",
+            "new_sessions_burst": "new sessions one client address may open at once",
+            "trusted_proxies": "proxies that append to X-Forwarded-For in front of the app (on a Space)",
             "keep_states_tokens": "hidden states are kept for texts up to this many tokens (else recomputed)",
             "server_paths": "the controller box may name a file on the server"}
 
@@ -192,6 +202,9 @@ class RequestLimiter:
         self.app = app
         self.limits = limits
         self.buckets = SessionBuckets(limits.requests_per_s, limits.burst)
+        self.new_sessions = SessionBuckets(limits.new_sessions_per_minute / 60, limits.new_sessions_burst)
+        self.known_sessions: OrderedDict[str, None] = OrderedDict()  # the latest 4 x max_sessions hashes seen
+        self._known_lock = threading.Lock()
         self.pending = pending or (lambda _session, _fn: (0, 0, False))
         self.known_event = known_event or (lambda _fn: True)
         self.refused = 0  # how many requests were refused (for the log and the tests)
@@ -218,7 +231,16 @@ class RequestLimiter:
                 self.refused += 1
                 await _refuse(send, 404, "No such event on this page: reload the page.")
                 return
-        key = f"session:{session}" if session else _address(scope)
+        address = _address(scope, self.limits.trusted_proxies)
+        if session is not None and not self._seen(session):
+            wait = self.new_sessions.take(address)
+            if wait > 0:
+                self.refused += 1
+                await _refuse(send, 429, f"Too many new pages from this address: wait {math.ceil(wait)} s and "
+                                         "reload.")
+                return
+            self._remember(session)
+        key = f"session:{session}" if session else address
         wait = self.buckets.take(key)
         if wait > 0:
             self.refused += 1
@@ -238,6 +260,20 @@ class RequestLimiter:
             await self.app(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
+
+
+    def _seen(self, session: str) -> bool:
+        with self._known_lock:
+            if session in self.known_sessions:
+                self.known_sessions.move_to_end(session)
+                return True
+            return False
+
+    def _remember(self, session: str) -> None:
+        with self._known_lock:
+            self.known_sessions[session] = None
+            while len(self.known_sessions) > 4 * self.limits.max_sessions:
+                self.known_sessions.popitem(last=False)
 
 
 async def _read_body(receive) -> bytes | None:
@@ -283,11 +319,15 @@ def _session_and_fn(body: bytes) -> tuple[str | None, int | None]:
             fn_index if isinstance(fn_index, int) and not isinstance(fn_index, bool) else None)
 
 
-def _address(scope) -> str:
-    if on_space():  # behind the Space's proxy the client is the first forwarded address
+def _address(scope, trusted_proxies: int = 1) -> str:
+    """The client's address: on a Space, the X-Forwarded-For entry its proxy appended (trusted_proxies from the
+    right; what the client itself sent sits further left and is not believed), elsewhere the connection's peer."""
+    if on_space():
         for name, value in scope.get("headers") or []:
             if name == b"x-forwarded-for":
-                return "address:" + value.decode("latin-1").split(",")[0].strip()
+                hops = [h.strip() for h in value.decode("latin-1").split(",") if h.strip()]
+                if len(hops) >= trusted_proxies:
+                    return "address:" + hops[-trusted_proxies]
     client = scope.get("client") or ("?", 0)
     return f"address:{client[0]}"
 

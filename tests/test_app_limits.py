@@ -274,3 +274,111 @@ def test_a_running_app_holds_floods_long_prompts_hidden_events_and_bad_inputs(as
         assert "finite" in answers["NaN temperature"] and "finite" in answers["NaN seed"]
         assert "surrogates" in answers["lone surrogate"] and "between" in answers["seed overflow"]
         assert "whole number" in answers["decompose index None"] or "missing" in answers["decompose index None"]
+
+
+@pytest.mark.slow
+def test_an_app_bound_as_docker_binds_it_runs_every_event_through_the_queue(assets):
+    """Bound to 0.0.0.0 and not on a Space (Gradio leaves the direct routes open there): /run/<api> and /api/<api>
+    are closed with a message, an unknown event number is refused before Gradio sees it, and the queued routes
+    (/call/<api>, gradio_client) still work."""
+    model, db = assets
+    env_space = os.environ.pop("SPACE_ID", None)
+    try:
+        with running_app(model, db, extra=("--host", "0.0.0.0")) as url:
+            body = {"data": ["the cat sat on the", 2, 0, 1, 0]}
+            for route in ("run", "api"):
+                answer = httpx.post(f"{url}/gradio_api/{route}/generate", json=body, timeout=30)
+                assert answer.status_code == 404 and "closed" in answer.json()["detail"], (route, answer.text)
+            unknown = httpx.post(f"{url}/gradio_api/queue/join", timeout=30,
+                                 json={"data": [], "fn_index": 100_000, "session_hash": "abc", "event_data": None})
+            assert unknown.status_code == 404 and "No such event" in unknown.json()["detail"]
+            queued = httpx.post(f"{url}/gradio_api/call/search", json={"data": ["the", "label", "all", "relevance"]},
+                                timeout=30)
+            assert queued.status_code == 200 and queued.json()["event_id"]
+            from gradio_client import Client
+
+            rows, status = Client(url, verbose=False).predict("the", "label", "all", "relevance", api_name="/search")
+            assert "prototype(s)" in status
+    finally:
+        if env_space is not None:
+            os.environ["SPACE_ID"] = env_space
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The request limiter itself, as ASGI middleware in front of a real (trivial) ASGI app.
+
+
+def _limited(limits: Limits, known=lambda fn: fn < 10):
+    import asyncio
+    import json as json_module
+
+    from app.limits import RequestLimiter
+
+    served = []
+
+    async def inner(scope, receive, send):
+        message = await receive()
+        served.append((scope["path"], message.get("body", b"")))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    limiter = RequestLimiter(inner, limits, known_event=known)
+
+    def post(path: str, body: dict | None = None, client: str = "10.0.0.1", forwarded: str | None = None) -> tuple:
+        raw = json_module.dumps(body or {}).encode()
+        headers = [(b"x-forwarded-for", forwarded.encode())] if forwarded else []
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "client": (client, 1234)}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(limiter(scope, receive, send))
+        status = sent[0]["status"]
+        return status, sent[1]["body"].decode()
+
+    return post, served, limiter
+
+
+def test_the_limiter_closes_direct_routes_and_refuses_unknown_events():
+    post, served, _ = _limited(Limits())
+    for path in ("/gradio_api/run/generate", "/gradio_api/api/generate", "/gradio_api/run/generate/"):
+        status, body = post(path, {"data": []})
+        assert status == 404 and "closed" in body
+    assert served == []
+    assert post("/gradio_api/run/predict", {"fn_index": 3, "session_hash": "s1"})[0] == 200  # the page's own
+    status, body = post("/gradio_api/queue/join", {"fn_index": 99, "session_hash": "s1"})
+    assert status == 404 and "No such event" in body
+    assert post("/gradio_api/queue/join", {"fn_index": 2, "session_hash": "s1"})[0] == 200
+    assert [p for p, _ in served] == ["/gradio_api/run/predict", "/gradio_api/queue/join"]
+
+
+def test_new_sessions_are_rate_limited_per_address_and_known_ones_are_not():
+    post, _, _ = _limited(Limits(new_sessions_burst=5, new_sessions_per_minute=0.6))
+    for n in range(5):
+        assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"fresh{n}"})[0] == 200
+    status, body = post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "fresh5"})
+    assert status == 429 and "new pages" in body
+    for n in range(5):  # the sessions already open go on working, however many fresh ones are refused
+        assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"fresh{n}"})[0] == 200
+    other = post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "elsewhere"}, client="10.0.0.2")
+    assert other[0] == 200  # another address has its own allowance
+
+
+def test_on_a_space_the_client_is_the_address_the_proxy_appended(monkeypatch):
+    from app.limits import SPACE_ENV, _address
+
+    monkeypatch.setenv(SPACE_ENV, "user/space")
+    scope = {"headers": [(b"x-forwarded-for", b"1.2.3.4, 9.9.9.9")], "client": ("10.0.0.9", 1)}
+    assert _address(scope) == "address:9.9.9.9"  # 1.2.3.4 is what the client wrote itself
+    assert _address(scope, trusted_proxies=2) == "address:1.2.3.4"
+    post, _, _ = _limited(Limits(new_sessions_burst=2, new_sessions_per_minute=0.6))
+    for n in range(2):  # a forged first entry does not buy a fresh allowance
+        assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"f{n}"},
+                    forwarded=f"{n}.0.0.1, 9.9.9.9")[0] == 200
+    assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "f9"}, forwarded="7.7.7.7, 9.9.9.9")[0] == 429
+    monkeypatch.delenv(SPACE_ENV)
+    assert _address(scope) == "address:10.0.0.9"  # off a Space the header is not believed at all
