@@ -13,6 +13,7 @@ folders older than the app's file_max_age_s, so a long-running app keeps at most
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -78,12 +79,40 @@ def evidence_frame(studio: Studio, prototype_id) -> pd.DataFrame:
 _ROOT: Path | None = None
 
 
+ROOT_PREFIX = "prism-exports-"
+
+
 def export_root() -> Path:
-    """This process's export folder (made on first use)."""
+    """This process's export folder (made on first use, named with the process id; the folders that processes no
+    longer running left behind are deleted then)."""
     global _ROOT
     if _ROOT is None or not _ROOT.is_dir():
-        _ROOT = Path(tempfile.mkdtemp(prefix="prism-exports-"))
+        sweep_dead_roots()
+        _ROOT = Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-"))
     return _ROOT
+
+
+def sweep_dead_roots(parent: Path | None = None) -> int:
+    """Delete the export folders of app processes that are no longer running (a killed app cannot sweep its own);
+    returns how many went. A folder whose name carries no process id is left alone."""
+    gone = 0
+    for folder in Path(parent or tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*-*"):
+        pid = folder.name[len(ROOT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        gone += 1
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def sweep(max_age_s: float, now: float | None = None) -> int:

@@ -187,6 +187,10 @@ LIMITED_PARTS = ("/call/",)
 # closes them; elsewhere it does not): closed here wherever the app runs. /run/predict (the page's queue-less
 # events) stays, limited.
 CLOSED_ROUTE = re.compile(r"/(run|api)/(?!predict/?$)[^/]+/?$")
+# Routes nobody needs on a public page: Gradio's monitoring dashboard and its deep-link snapshots (a snapshot of
+# anyone's page, for whoever knows their session hash, kept forever). The app's own links are ?state= and
+# ?prototype=.
+PRIVATE_ROUTE = re.compile(r"/(monitoring|deep_link)(/|$)")
 MAX_BODY_BYTES = 2_000_000  # a join or predict body (uploads are not read here: Gradio's max_file_size bounds them)
 
 
@@ -211,6 +215,9 @@ class RequestLimiter:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if PRIVATE_ROUTE.search(path):
+            await _refuse(send, 404, "Not found.")
+            return
         if scope.get("method") == "POST" and CLOSED_ROUTE.search(path):
             self.refused += 1
             await _refuse(send, 404, "This route is closed: call the app through its queue (gradio_client, or POST "

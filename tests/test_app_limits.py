@@ -324,10 +324,11 @@ def _limited(limits: Limits, known=lambda fn: fn < 10):
 
     limiter = RequestLimiter(inner, limits, known_event=known)
 
-    def post(path: str, body: dict | None = None, client: str = "10.0.0.1", forwarded: str | None = None) -> tuple:
+    def post(path: str, body: dict | None = None, client: str = "10.0.0.1", forwarded: str | None = None,
+             method: str = "POST") -> tuple:
         raw = json_module.dumps(body or {}).encode()
         headers = [(b"x-forwarded-for", forwarded.encode())] if forwarded else []
-        scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "client": (client, 1234)}
+        scope = {"type": "http", "method": method, "path": path, "headers": headers, "client": (client, 1234)}
         sent = []
 
         async def receive():
@@ -354,6 +355,25 @@ def test_the_limiter_closes_direct_routes_and_refuses_unknown_events():
     assert status == 404 and "No such event" in body
     assert post("/gradio_api/queue/join", {"fn_index": 2, "session_hash": "s1"})[0] == 200
     assert [p for p, _ in served] == ["/gradio_api/run/predict", "/gradio_api/queue/join"]
+    for path in ("/monitoring", "/monitoring/summary", "/gradio_api/deep_link"):  # private, whatever the method
+        assert post(path, method="GET")[0] == 404 and post(path)[0] == 404
+    assert post("/gradio_api/info", method="GET")[0] == 200 and len(served) == 3
+
+
+def test_export_folders_of_processes_no_longer_running_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from app.export import ROOT_PREFIX, sweep_dead_roots
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    folders = {name: tmp_path / name for name in (f"{ROOT_PREFIX}{dead_pid}-a1", f"{ROOT_PREFIX}{os.getpid()}-b2",
+                                                  f"{ROOT_PREFIX}{os.getppid()}-c3", f"{ROOT_PREFIX}old-d4")}
+    for folder in folders.values():
+        (folder / "x").mkdir(parents=True)
+    assert sweep_dead_roots(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(list(folders)[1:])  # the live ones and the unnamed
 
 
 def test_new_sessions_are_rate_limited_per_address_and_known_ones_are_not():
