@@ -40,7 +40,7 @@ from app.generation import (  # noqa: F401 (re-exported: the app's values live t
     same_settings,
     side_by_side,
 )
-from app.limits import Limits
+from app.limits import CostBudget, Limits
 from prism import Interventions, PrismForCausalLM
 from prism.backbones import load_tokenizer
 from prism.explain import Carried, Change, explain_token
@@ -134,6 +134,7 @@ class Studio:
                  db_error: str | None = None, limits: Limits | None = None) -> None:
         self.model = model.eval()
         self.limits = limits or Limits()
+        self.budget = CostBudget(self.limits)  # per session hash: admission of generations by their cost
         self.tokenizer = tokenizer
         self.db = db
         self.db_error = db_error

@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import json
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,12 +128,13 @@ def _settings(studio: Studio, prompt, max_new_tokens, temperature, top_p, seed) 
 
 @guarded
 def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: float, top_p: float, seed: float,
-             session: Session, control: RunControl | None = None):
+             session: Session, control: RunControl | None = None, session_hash: str | None = None):
     """Stream the original continuation and, when the session has interventions, the intervened one beside it
     (same settings and seed). Yields GenerationPanel (both texts, status, the intervened column's title, session,
     result): the
     session already holds the growing texts, so a token can be explained while the rest is written; after
-    control.stop() the run ends after the current token and keeps what it wrote."""
+    control.stop() the run ends after the current token and keeps what it wrote. With the page's session_hash the
+    generation is admitted by its cost (limits.generation_cost against the session's CostBudget)."""
     run = control.start() if control is not None else None
     stopped = False
     try:
@@ -140,6 +142,14 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
         interventions = session.interventions()
         reuse = session.original is not None and session.original.finished and \
             session.original.settings == settings
+        if session_hash:
+            ids, max_new, _ = studio.encode_prompt(settings)
+            cost = limits.generation_cost(len(ids), max_new, int(not reuse) + int(not interventions.is_empty))
+            wait = studio.budget.spend(session_hash, cost)
+            if wait > 0:
+                raise AppError(f"this page has used its share of the model for now: wait {math.ceil(wait)} s (this "
+                               f"generation costs {cost:.0f} units of {studio.limits.cost_burst:.0f}; fewer new "
+                               "tokens or a shorter prompt cost less)")
         streams = []
         if not reuse:
             streams.append(("original", studio.stream(settings)))
@@ -508,12 +518,13 @@ def restore_link(studio: Studio, session: Session, request: gr.Request = None):
 
 @guarded
 def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_tokens, temperature, top_p, seed,
-                     session: Session):
+                     session: Session, session_hash: str | None = None):
     """Generate after a restored link; nothing (skips) otherwise."""
     if not pending:
         yield skipped(GenerationPanel)
         return
-    yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session)
+    yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session,
+                        session_hash=session_hash)
 
 
 @guarded

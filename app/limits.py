@@ -55,6 +55,13 @@ class Limits:
     # this, while minting fresh session hashes to push others' sessions out of the store is held to this rate.
     new_sessions_per_minute: float = 20.0
     new_sessions_burst: int = 20
+    # Admission by cost: a generation costs about columns x (new tokens + prompt tokens / 16) token steps (the
+    # prompt's prefill is cheap per token, each new token is one forward); one unit is a 24-token continuation of a
+    # short prompt. A session may spend cost_per_minute units a minute, cost_burst at once: a normal visitor never
+    # notices, a stream of 512-token prompts with 256 new tokens in two columns (about 24 units each) is held to
+    # about half of one model worker.
+    cost_per_minute: float = 30.0
+    cost_burst: float = 60.0
     # Proxies in front of the app that append the client's address to X-Forwarded-For (a Space has one): the
     # client is that many entries from the right; entries further left are whatever the client sent.
     trusted_proxies: int = 1
@@ -84,6 +91,8 @@ class Limits:
             "new_sessions_per_minute": "new sessions one client address may open per minute, sustained",
             "new_sessions_burst": "new sessions one client address may open at once",
             "trusted_proxies": "proxies that append to X-Forwarded-For in front of the app (on a Space)",
+            "cost_per_minute": "generation cost one session may spend per minute (1 = a 24-token continuation)",
+            "cost_burst": "generation cost one session may spend at once",
             "keep_states_tokens": "hidden states are kept for texts up to this many tokens (else recomputed)",
             "server_paths": "the controller box may name a file on the server"}
 
@@ -147,6 +156,46 @@ def text(name: str, value, max_chars: int) -> str:
     except UnicodeEncodeError:
         raise AppError(f"{name} contains characters that are not valid text (unpaired surrogates)") from None
     return value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Admission by cost.
+
+NORMAL_STEPS = 24 + 8 / 16  # one unit: a 24-token continuation of an 8-token prompt, one column
+
+
+def generation_cost(prompt_tokens: int, new_tokens: int, columns: int) -> float:
+    """A generation's cost in units (Limits.cost_per_minute): columns x (new tokens + prompt tokens / 16)."""
+    return columns * (new_tokens + prompt_tokens / 16) / NORMAL_STEPS
+
+
+class CostBudget:
+    """Per session, a bucket of cost units (Limits.cost_burst, refilled at cost_per_minute): spend() admits a
+    generation or says how long to wait. Shared by every session of the app, bounded in keys, thread-safe."""
+
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = limits.cost_per_minute / 60, float(limits.cost_burst), clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._max_keys = 4 * limits.max_sessions
+        self._lock = threading.Lock()
+
+    def spend(self, key: str, cost: float) -> float:
+        """Take `cost` units: 0.0 when admitted, else the seconds until the bucket holds them (nothing taken). A
+        generation dearer than the whole burst is admitted when the bucket is full, and empties it."""
+        now = self.clock()
+        with self._lock:
+            units, last = self._buckets.pop(key, (self.burst, now))
+            units = min(self.burst, units + (now - last) * self.rate)
+            need = min(cost, self.burst)
+            wait = 0.0
+            if units >= need:
+                units -= need
+            else:
+                wait = (need - units) / self.rate
+            self._buckets[key] = (units, now)
+            while len(self._buckets) > self._max_keys:
+                self._buckets.popitem(last=False)
+        return wait
 
 
 # ----------------------------------------------------------------------------------------------------------------

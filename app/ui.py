@@ -265,9 +265,19 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
     # link), named or hidden, shares one concurrency group: at most `concurrency` at once, whoever calls.
     model = {"concurrency_limit": concurrency, "concurrency_id": "model"}
     open_card = partial(h.prototype, studio)
+
+    # Gradio passes gr.Request only to functions whose own annotations name it (not through a partial): the
+    # session hash admits each generation by its cost (limits.CostBudget).
+    def generate_for(prompt, max_new, temperature, top_p, seed, session, control, request: gr.Request):
+        yield from h.generate(studio, prompt, max_new, temperature, top_p, seed, session, control,
+                              session_hash=getattr(request, "session_hash", None))
+
+    def pending_for(pending, prompt, max_new, temperature, top_p, seed, session, request: gr.Request):
+        yield from h.generate_pending(studio, pending, prompt, max_new, temperature, top_p, seed, session,
+                                      session_hash=getattr(request, "session_hash", None))
+
     c.generate_btn.click(h.clear_explanation, None, c.outputs(h.ClearPanel), api_name=False, queue=False).then(
-        partial(h.generate, studio), [*settings, c.session, c.control], c.outputs(h.GenerationPanel),
-        api_name="generate", **model)
+        generate_for, [*settings, c.session, c.control], c.outputs(h.GenerationPanel), api_name="generate", **model)
     c.stop_btn.click(h.request_stop, [c.control], None, api_name=False, queue=False)
     token = c.outputs(h.TokenPanel)
     c.decompose_btn.click(partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name="decompose",
@@ -344,8 +354,7 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
     c.import_iv_btn.upload(partial(h.import_interventions, studio), [c.import_iv_btn, c.session],
                            c.outputs(InterventionsPanel, "iv_suppress_mode"), api_name="import_interventions")
     demo.load(restore_for, [c.session], c.outputs(h.RestorePanel), api_name=False).then(
-        partial(h.generate_pending, studio), [c.pending, *settings, c.session], c.outputs(h.GenerationPanel),
-        api_name=False, **model).then(
+        pending_for, [c.pending, *settings, c.session], c.outputs(h.GenerationPanel), api_name=False, **model).then(
         partial(h.select_pending, studio), [c.pending, c.session], c.outputs(h.PendingPanel), api_name=False,
         **model)
 

@@ -219,8 +219,8 @@ def test_an_unexpected_error_reaches_the_user_as_one_line(studio):
 
 def test_every_model_event_is_in_one_concurrency_group(studio):
     demo = ui.build_demo(studio, concurrency=2)
-    model_handlers = {"generate", "decompose", "attribute", "refresh_attribution", "export_generation",
-                      "generate_pending", "select_pending", "controller"}
+    model_handlers = {"generate_for", "decompose", "attribute", "refresh_attribution", "export_generation",
+                      "pending_for", "select_pending", "controller"}  # generate_for: generate with the session hash
     seen = set()
     for fn in demo.fns.values():
         inner = getattr(fn.fn, "func", fn.fn)  # a partial binds the studio
@@ -402,3 +402,33 @@ def test_on_a_space_the_client_is_the_address_the_proxy_appended(monkeypatch):
     assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "f9"}, forwarded="7.7.7.7, 9.9.9.9")[0] == 429
     monkeypatch.delenv(SPACE_ENV)
     assert _address(scope) == "address:10.0.0.9"  # off a Space the header is not believed at all
+
+
+def test_generations_are_admitted_by_their_cost_per_session(studio):
+    """A session's long generations spend its budget and are refused with the wait when it is empty; another session
+    keeps its own; short ones cost one unit; the bucket refills with time."""
+    from app.limits import CostBudget, generation_cost
+
+    assert generation_cost(8, 24, 1) == pytest.approx(1.0)
+    assert generation_cost(512, 256, 2) == pytest.approx(2 * (256 + 32) / 24.5)  # about 24 units
+    assert generation_cost(8, 24, 2) == pytest.approx(2 * generation_cost(8, 24, 1))
+    now = [0.0]
+    budget = CostBudget(Limits(cost_burst=30, cost_per_minute=60), clock=lambda: now[0])
+    assert budget.spend("a", 24) == 0 and budget.spend("a", 24) == pytest.approx(18.0)  # 6 left, 1 unit a second
+    assert budget.spend("b", 24) == 0  # another session's own budget
+    now[0] += 18
+    assert budget.spend("a", 24) == 0  # refilled
+    assert budget.spend("c", 500) == 0 and budget.spend("c", 1) > 0  # dearer than the burst: admitted once, full
+    small = Studio(studio.model, studio.tokenizer, studio.db, limits=Limits(cost_burst=3, cost_per_minute=0.1))
+    long_prompt = " ".join(["the cat sat on the mat"] * 20)  # about 2.3 units with 48 new tokens: one fits in 3
+
+    def run(session_hash=None):
+        return list(handlers.generate(small, long_prompt, 48, 0, 1, 0, Session(), session_hash=session_hash))[-1]
+
+    first = run("s1")
+    assert not first.gen_status.startswith("⚠️") and first.session.original is not None
+    refused = run("s1")
+    assert refused.gen_status.startswith("⚠️") and "wait" in refused.gen_status and "units" in refused.gen_status
+    assert refused.session.original is None  # nothing ran
+    assert not run("s2").gen_status.startswith("⚠️")  # another page has its own share
+    assert not run().gen_status.startswith("⚠️")  # called without a page (the library, tests): no budget
