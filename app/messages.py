@@ -26,11 +26,14 @@ def guarded(fn):
     gr.SelectData) is the handler's own, so Gradio fills in what it asks for."""
 
     def fail(err: Exception) -> gr.Error:
+        # print_exception=False: Gradio would print a traceback for every gr.Error. An expected refusal is one
+        # log line; an unexpected error is logged once, with its traceback, here.
         if isinstance(err, AppError):
-            return gr.Error(short(err))
+            logger.info("%s refused: %s", fn.__name__, short(err))
+            return gr.Error(short(err), print_exception=False)
         logger.exception("%s failed", fn.__name__)
         return gr.Error(f"Something went wrong on the server in {fn.__name__} (it is logged); nothing was changed. "
-                        "Try other input or reload the page.")
+                        "Try other input or reload the page.", print_exception=False)
 
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)

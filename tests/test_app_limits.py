@@ -7,6 +7,7 @@ request measured in the same run)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -432,3 +433,26 @@ def test_generations_are_admitted_by_their_cost_per_session(studio):
     assert refused.session.original is None  # nothing ran
     assert not run("s2").gen_status.startswith("⚠️")  # another page has its own share
     assert not run().gen_status.startswith("⚠️")  # called without a page (the library, tests): no budget
+
+
+def test_a_refusal_is_one_log_line_and_gradio_prints_no_traceback_for_it(caplog):
+    """Gradio prints a traceback for every gr.Error unless told not to: the guard tells it, logs an expected
+    refusal as one INFO line and an unexpected error once, with its traceback."""
+    from app.messages import guarded
+
+    @guarded
+    def refuses():
+        raise AppError("no prototype 9999: this model has prototypes 0..23")
+
+    @guarded
+    def breaks():
+        return {}["missing"]
+
+    caplog.set_level(logging.INFO)
+    for fn, level, traced in ((refuses, logging.INFO, False), (breaks, logging.ERROR, True)):
+        caplog.clear()
+        with pytest.raises(gr.Error) as raised:
+            fn()
+        assert raised.value.print_exception is False
+        records = [r for r in caplog.records if r.name == "app.messages"]
+        assert len(records) == 1 and records[0].levelno == level and bool(records[0].exc_info) == traced
