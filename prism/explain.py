@@ -353,9 +353,9 @@ def explain_token(model: PrismForCausalLM, z: torch.Tensor, token_id: int, inter
     """Everything a click on one token shows, from the state z (d,) at the position that chose it.
 
     against = (original token ids, intervened token ids, index of this token in the intervened text) asks what the
-    interventions changed here (Change): the reference is the original token at the first difference, else the
-    plain model's top token after the intervened prefix. decode(token_id) -> text names the runner-up in
-    `carried` (token ids are shown without it)."""
+    interventions changed here (Change): the reference is the original token at the first difference (when the
+    original reaches that far), else the plain model's top token after the intervened prefix. decode(token_id) ->
+    text names the runner-up in `carried` (token ids are shown without it)."""
     interventions = interventions or Interventions()
     out = model.head(z.reshape(1, 1, -1), interventions)
     logits = out.logits[0, 0]  # (V,)
@@ -372,8 +372,8 @@ def explain_token(model: PrismForCausalLM, z: torch.Tensor, token_id: int, inter
         if diff.first_change is None or index < diff.first_change:
             change = Change(kind="same", new=token_id)
         else:
-            reference = original[index] if index == diff.first_change else \
-                int(model.head(z.reshape(1, 1, -1)).logits[0, 0].argmax())
+            reference = original[index] if index == diff.first_change and index < len(original) else \
+                int(model.head(z.reshape(1, 1, -1)).logits[0, 0].argmax())  # (the original may have ended)
             change = Change(kind="indirect", new=token_id) if reference == token_id else \
                 explain_change(model, z, interventions, token_id, reference)
     return TokenExplanation(chosen=chosen, alternatives=decs, carried=carried or None, change=change)

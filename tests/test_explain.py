@@ -227,4 +227,6 @@ def test_explain_change_effects_add_up_to_the_change_of_the_margin_and_the_flip_
             assert explain_token(model, z, new, iv, against=([5, 6, reference], [5, 6, new], 1)).change.kind == "same"
             assert explain_token(model, z, reference, iv, against=([5, 7, 9], [5, 6, reference], 2)).change.kind == \
                 "indirect"  # after the first change, a token the plain model would write as well
+            longer = explain_token(model, z, new, iv, against=([5, 6], [5, 6, new], 2)).change  # the original ended
+            assert longer.kind == "direct" and longer.reference == reference  # the plain model's own choice
     assert found >= 4 and with_flip_set >= 2
