@@ -41,7 +41,7 @@ from app.generation import (  # noqa: F401 (re-exported: the app's values live t
     side_by_side,
 )
 from app.limits import CostBudget, Limits
-from prism import Interventions, PrismForCausalLM
+from prism import Interventions, PrismForCausalLM, explain
 from prism.backbones import load_tokenizer
 from prism.explain import Carried, Change, explain_token
 from prism.interventions import changed_selection, restrict  # noqa: F401 (restrict re-exported for the app)
@@ -80,15 +80,16 @@ class TokenDecomposition:
     slices: list[Slice]
     removed_ids: list[int] = field(default_factory=list)  # own active prototypes the interventions switched off
     rerouted_ids: list[int] = field(default_factory=list)  # the prototypes re-routing brought in in their place
+    probability: float | None = None  # softmax of the position's logits (the distribution it was chosen from)
 
     @property
     def total(self) -> float:
         return self.residual + sum(s.contribution for s in self.slices)
 
     def as_dict(self) -> dict:
-        return {"token_id": self.token_id, "token": self.token, "logit": self.logit, "residual": self.residual,
-                "sum": self.total, "slices": [s.__dict__ for s in self.slices], "removed_ids": self.removed_ids,
-                "rerouted_ids": self.rerouted_ids}
+        return {"token_id": self.token_id, "token": self.token, "logit": self.logit, "probability": self.probability,
+                "residual": self.residual, "sum": self.total, "slices": [s.__dict__ for s in self.slices],
+                "removed_ids": self.removed_ids, "rerouted_ids": self.rerouted_ids}
 
 
 @dataclass
@@ -319,7 +320,8 @@ class Studio:
         against = None if original is None else (original.token_ids, gen.token_ids, index)
         ex = explain_token(self.model, self.state(gen, index), step.token_id, gen.interventions, n_alternatives,
                            against=against, decode=self.decode)
-        views = {d.token_id: self._decomposition(d) for d in ex.alternatives}
+        views = {d.token_id: replace(self._decomposition(d), probability=ex.probabilities.get(d.token_id))
+                 for d in ex.alternatives}
         return TokenView(index=index, position=position, chosen=views[step.token_id],
                          alternatives=list(views.values()), stream_logit=step.logit, carried=ex.carried,
                          why=None if ex.change is None else self._why(index, ex.change))
@@ -334,6 +336,17 @@ class Studio:
         effects add up exactly to the change of logit(new) - logit(reference); the flip set is the shortest run of
         the strongest effects whose intervention alone makes the model stop writing the reference)."""
         return self.explain(intervened, index, original=original).why
+
+    def pushers(self, text: str, top: int = 50) -> tuple[str, list[tuple[int, float]], str]:
+        """Who pushes a token: (the token, [(prototype id, its slice at activation 1)] strongest first, a note when
+        the text is more than one token). AppError for text with no token."""
+        text = limits.text("the token", text, 200)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
+        if not ids:
+            raise AppError("type a token, e.g. ' Paris' (with its leading space, as it follows a word)")
+        note = "" if len(ids) == 1 else (f"{text[:40]!r} is {len(ids)} tokens; showing who pushes the first, "
+                                         f"{self.decode(ids[0])!r}")
+        return self.decode(ids[0]), explain.pushers(self.model, ids[0], top), note
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])

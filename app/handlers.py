@@ -34,7 +34,6 @@ from app.core import (
     Generation,
     GenerationSettings,
     Studio,
-    TokenView,
     rerouted_summary,
     side_by_side,
 )
@@ -62,6 +61,8 @@ TABLE_HEADERS = ["id", "label", "category", "label score", "sibling score", "tok
 TABLE_WIDTHS = ["44px", "200px", "110px", "82px", "82px", "70px", "110px"]  # every number on screen at 1280 px
 SEMANTIC_MIN = 0.40  # a semantic match: cosine similarity of the query and the label at least this (MiniLM)
 N_NEAREST = 10  # shown, with their similarity, when no prototype reaches SEMANTIC_MIN
+PUSHES = "pushes token"  # the search mode "who pushes token X"
+N_PUSHERS = 50
 ACTIVE_HEADERS = ["id", "label: fires on → pushes toward", "category", "activation", "contribution"]
 INTERVENTION_HEADERS = ["#", "intervention", "prototype ids"]
 CONTROLLER_HEADERS = ["direction", "prototype_id", "factor", "label", "category", "evidence"]
@@ -275,7 +276,7 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
     data = view.as_dict()
     data["why_changed"] = why.as_dict() if why else None
     return TokenPanel(plots.decomposition_figure(view.chosen, view.carried), plots.alternatives_figure(view),
-                      _token_summary(view, why), rows, top, session, data)
+                      render.token_summary(view, why), rows, top, session, data)
 
 
 @guarded
@@ -299,53 +300,6 @@ def refresh_attribution(studio: Studio, token: dict | None, run: str, index, ses
     if not token:
         return EMPTY_ATTRIBUTION, None
     return attribution_panel(studio, run, index, session)
-
-
-def carried_line(c) -> str:
-    """What the prototypes carry of the choice, in words (prism.explain.Carried), marked when the residual decides.
-    A sampled token below the runner-up was not the model's choice: then the line splits the gap it lost by."""
-    other = html.escape(repr(c.runner_up))
-    parts = f"the prototypes **{100 * c.prototypes:.0f}%**, the residual **{100 * c.residual:.0f}%**"
-    if c.prototypes > 1 or c.prototypes < 0:
-        parts += " (the two pull opposite ways)"
-    if c.gap < 0:
-        return f"Sampled below {other} (logit gap {c.gap:+.3f}); of that gap {parts}."
-    text = f"Of this choice over {other} (logit gap {c.gap:+.3f}) {parts} carry."
-    if c.residual_decides:
-        text = ("⚠ **The residual decides this choice, not the prototypes**: the slices do not explain why this "
-                "token beat the runner-up. " + text)
-    return text
-
-
-def _token_summary(view: TokenView, why) -> str:
-    d = view.chosen
-    lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
-             f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}** "
-             f"(while generating: {view.stream_logit:.4f})."]
-    others = [a for a in view.alternatives if a.token_id != d.token_id]
-    if others:
-        best = max(view.alternatives, key=lambda a: a.logit)
-        if best.token_id == d.token_id:
-            lines.append(f"Chosen: the highest logit; next best {html.escape(repr(others[0].token))} at "
-                         f"{others[0].logit:.4f}.")
-        else:
-            lines.append(f"Chosen (sampled): {html.escape(repr(d.token))} at {d.logit:.4f}; highest logit "
-                         f"{html.escape(repr(best.token))} at {best.logit:.4f}.")
-    if view.carried is not None:
-        lines.append(carried_line(view.carried))
-    if d.rerouted_ids:
-        lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
-                     f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")
-    elif d.removed_ids:
-        lines.append(f"Switched off here: {', '.join(f'#{p}' for p in d.removed_ids)} (their slices are removed).")
-    if why is not None:
-        lines.append(f"**Why it changed:** {html.escape(why.message)}.")
-        if why.effects:
-            lines.append("Effect of each prototype whose activation changed on logit(new) − logit(reference) "
-                         "(↪ = brought in by re-routing): " + ", ".join(
-                             f"{'↪' if e['role'] == 'replacement' else ''}#{e['prototype_id']} "
-                             f"{html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
-    return "  \n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -395,6 +349,13 @@ def search(studio: Studio, text: str, mode: str, category: str, order: str):
         if not (text or "").strip():
             rows = [{**r, "similarity": None} for r in listed]
             found = f"{len(rows)} prototype(s)" + (f" in {category}" if category else "")
+        elif mode == PUSHES:  # who pushes token X: the signature's entry for the token, strongest first
+            token, pushing, note = studio.pushers(text, top=N_PUSHERS)
+            by_id = {r["prototype_id"]: r for r in listed}
+            rows = [{**by_id[p], "similarity": v} for p, v in pushing if p in by_id]
+            found = ((f"{note}. " if note else "") + f"the {len(rows)} prototype(s) whose signature raises "
+                     f"{token!r} most (last column: the slice each adds to its logit at activation 1)"
+                     + (f" in {category}" if category else ""))
         else:
             kind = "semantic" if mode == "semantic" else "label"
             results = studio.need_db().search(text, kind, k=studio.n_prototypes)

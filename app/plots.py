@@ -100,7 +100,8 @@ def alternatives_figure(view: TokenView) -> go.Figure:
                     hovertext=[f"{t}: #{pid} {label} {v:+.4f}" for t, v in zip(tokens, values)])
     fig.add_scatter(y=tokens, x=[a.logit for a in view.alternatives], mode="markers+text", name="logit (= the sum)",
                     marker=dict(symbol="diamond", size=12, color="black", line=dict(color="white", width=1)),
-                    text=[f"{a.logit:.3f}" for a in view.alternatives], textposition="middle right",
+                    text=[f"{a.logit:.3f}" + ("" if a.probability is None else f" (p {a.probability:.2f})")
+                          for a in view.alternatives], textposition="middle right",
                     cliponaxis=False, hoverinfo="text",
                     hovertext=[f"{t}: logit {a.logit:.4f}" for t, a in zip(tokens, view.alternatives)])
     fig.update_layout(barmode="relative",

@@ -100,3 +100,57 @@ def card_markdown(card) -> str:
         md += "\n\nOften active with: " + ", ".join(
             f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card.coactive[:5])
     return md
+
+
+def carried_line(c) -> str:
+    """What the prototypes carry of the choice, in words (prism.explain.Carried), marked when the residual decides.
+    A sampled token below the runner-up was not the model's choice: then the line splits the gap it lost by."""
+    other = html.escape(repr(c.runner_up))
+    parts = f"the prototypes **{100 * c.prototypes:.0f}%**, the residual **{100 * c.residual:.0f}%**"
+    if c.prototypes > 1 or c.prototypes < 0:
+        parts += " (the two pull opposite ways)"
+    if c.gap < 0:
+        return f"Sampled below {other} (logit gap {c.gap:+.3f}); of that gap {parts}."
+    text = f"Of this choice over {other} (logit gap {c.gap:+.3f}) {parts} carry."
+    if c.residual_decides:
+        text = ("⚠ **The residual decides this choice, not the prototypes**: the slices do not explain why this "
+                "token beat the runner-up. " + text)
+    return text
+
+
+def probability_note(d) -> str:
+    """', probability 0.42' for a decomposition that carries one (the position's softmax), else nothing."""
+    return "" if d.probability is None else f", probability {d.probability:.3f}"
+
+
+def token_summary(view, why) -> str:
+    """The explained token in words: its sum, how it was chosen (with probabilities), what the prototypes carry of
+    the choice, re-routing, and why it changed (app/core.py TokenView, WhyChanged)."""
+    d = view.chosen
+    lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
+             f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}** "
+             f"(while generating: {view.stream_logit:.4f})" + probability_note(d) + "."]
+    others = [a for a in view.alternatives if a.token_id != d.token_id]
+    if others:
+        best = max(view.alternatives, key=lambda a: a.logit)
+        if best.token_id == d.token_id:
+            lines.append(f"Chosen: the highest logit; next best {html.escape(repr(others[0].token))} at "
+                         f"{others[0].logit:.4f}{probability_note(others[0])}.")
+        else:
+            lines.append(f"Chosen (sampled): {html.escape(repr(d.token))} at {d.logit:.4f}; highest logit "
+                         f"{html.escape(repr(best.token))} at {best.logit:.4f}{probability_note(best)}.")
+    if view.carried is not None:
+        lines.append(carried_line(view.carried))
+    if d.rerouted_ids:
+        lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
+                     f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")
+    elif d.removed_ids:
+        lines.append(f"Switched off here: {', '.join(f'#{p}' for p in d.removed_ids)} (their slices are removed).")
+    if why is not None:
+        lines.append(f"**Why it changed:** {html.escape(why.message)}.")
+        if why.effects:
+            lines.append("Effect of each prototype whose activation changed on logit(new) − logit(reference) "
+                         "(↪ = brought in by re-routing): " + ", ".join(
+                             f"{'↪' if e['role'] == 'replacement' else ''}#{e['prototype_id']} "
+                             f"{html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
+    return "  \n".join(lines)

@@ -169,7 +169,8 @@ def _browse_panel(c: Components, studio: Studio) -> None:
     with gr.Row():
         c["query_box"] = gr.Textbox(label="Search", placeholder="e.g. year, suffix, a hospital", scale=3,
                                     elem_id="search-box")
-        c["mode"] = gr.Radio(["label", "semantic"], value="label", label="Search by", scale=1)
+        c["mode"] = gr.Radio(["label", "semantic", h.PUSHES], value="label", label="Search by", scale=1,
+                             info=f"{h.PUSHES}: who raises a token's logit most, e.g. ' Paris'")
         c["category"] = gr.Dropdown(["all", *studio.filters()], value="all", label="Category", scale=1,
                                     elem_id="category-filter")
         c["order"] = gr.Dropdown(list(h.ORDERINGS), value="relevance", label="Sort by", scale=1, elem_id="order")

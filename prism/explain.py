@@ -25,6 +25,7 @@ the position that chose the token, from the generation's own forward or one pass
     contrast(ex.chosen, ex.alternatives[1])      # why A and not B: the margin as residual + one part per prototype
     explain_token(..., against=(original_ids, intervened_ids, index)).change   # what an intervention changed here
     logit_attrs(model, z, token_ids)             # (n, K) tensor: every prototype's slice of each token's logit
+    pushers(model, token_id)                     # who pushes token X: the prototypes whose signature raises it most
 """
 
 from __future__ import annotations
@@ -340,6 +341,7 @@ class TokenExplanation:
     alternatives: list[Decomposition]
     carried: Carried | None
     change: Change | None = None
+    probabilities: dict[int, float] = field(default_factory=dict)  # softmax of the position's logits, per token
 
     @property
     def runner_up(self) -> Decomposition | None:
@@ -376,4 +378,17 @@ def explain_token(model: PrismForCausalLM, z: torch.Tensor, token_id: int, inter
                 int(model.head(z.reshape(1, 1, -1)).logits[0, 0].argmax())  # (the original may have ended)
             change = Change(kind="indirect", new=token_id) if reference == token_id else \
                 explain_change(model, z, interventions, token_id, reference)
-    return TokenExplanation(chosen=chosen, alternatives=decs, carried=carried or None, change=change)
+    probs = logits.float().softmax(-1)
+    return TokenExplanation(chosen=chosen, alternatives=decs, carried=carried or None, change=change,
+                            probabilities={t: float(probs[t]) for t in tokens})
+
+
+@torch.no_grad()
+def pushers(model: PrismForCausalLM, token_id: int, top: int = 20) -> list[tuple[int, float]]:
+    """"Who pushes token X": the prototypes whose signature most raises token_id, (id, (W p_i)[token]) strongest
+    first: the slice each would add to the token's logit at activation 1 (a slice is activation x this)."""
+    if not 0 <= int(token_id) < model.lm_head.weight.shape[0]:
+        raise ValueError(f"token_id {token_id} is outside the vocabulary of {model.lm_head.weight.shape[0]} tokens")
+    values = model.prototypes.weight @ model.lm_head.weight[int(token_id)]  # (K,)
+    order = values.argsort(descending=True)[:top]
+    return [(int(i), float(values[i])) for i in order]

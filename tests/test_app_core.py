@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_app_support import changing_prototype, shared_assets
 
-from app import handlers, interventions, plots
+from app import handlers, interventions, plots, render
 from app.core import AppError, GenerationSettings, Studio, side_by_side
 from app.limits import Limits
 from app.session import Session, group_item, scale_item, suppress_item
@@ -188,13 +188,13 @@ def test_every_token_is_one_chip_and_newlines_show_as_a_mark(studio):
 
 def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studio):
     greedy = studio.generate(GenerationSettings(PROMPT, max_new_tokens=6))
-    summary = handlers._token_summary(studio.token_view(greedy, 0), None)
+    summary = render.token_summary(studio.token_view(greedy, 0), None)
     assert "Chosen: the highest logit; next best" in summary and "Runner-up" not in summary
     sampled = studio.generate(GenerationSettings(PROMPT, max_new_tokens=24, temperature=2.0, seed=1))
     for index in range(len(sampled.steps)):
         view = studio.token_view(sampled, index)
         if view.alternatives[0].token_id != view.chosen.token_id:  # alternatives are sorted by logit
-            summary = handlers._token_summary(view, None)
+            summary = render.token_summary(view, None)
             assert "Chosen (sampled)" in summary and html.escape(repr(view.alternatives[0].token)) in summary
             break
     else:
@@ -232,7 +232,7 @@ def _check_carried(studio, gen, seen):
         else:
             seen["sampled"] += 1
             assert c.gap < 0
-        summary = handlers._token_summary(view, None)
+        summary = render.token_summary(view, None)
         assert f"the prototypes **{100 * c.prototypes:.0f}%**, the residual **{100 * c.residual:.0f}%**" in summary
         # the warning is for the model's own choice; a sampled token below the runner-up gets the gap split instead
         assert ("The residual decides this choice" in summary) == (c.prototypes < 0.5 and c.gap > 0)
@@ -399,3 +399,27 @@ def test_a_token_click_crosses_into_the_library_once_and_changes_no_value(studio
     assert (session.original.steps, session.intervened.steps, session.intervened.notes) == before
     with pytest.raises(AttributeError):
         session.intervened.steps[0].text = "x"  # a frozen value
+
+
+def test_who_pushes_a_token_lists_the_prototypes_whose_signature_raises_it_most(studio):
+    token_id = studio.tokenizer(" the", add_special_tokens=False)["input_ids"][0]
+    rows, status = handlers.search(studio, " the", handlers.PUSHES, "all", "relevance")
+    values = studio.model.prototypes.weight @ studio.model.lm_head.weight[token_id]  # (K,) (W p_i)[token]
+    expected = values.argsort(descending=True)[: len(rows)].tolist()
+    assert [r[0] for r in rows] == expected and "raises ' the' most" in status
+    assert [r[-1] for r in rows] == pytest.approx([round(float(values[p]), 3) for p in expected], abs=1e-3)
+    two = handlers.search(studio, " the cat", handlers.PUSHES, "all", "relevance")[1]
+    n = len(studio.tokenizer(" the cat", add_special_tokens=False)["input_ids"])
+    assert f"is {n} tokens; showing who pushes the first" in two
+    assert handlers.search(studio, "   ", handlers.PUSHES, "all", "relevance")[1].endswith("sorted by relevance")
+
+
+def test_the_summary_and_the_data_give_probabilities_beside_logits(studio):
+    gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=3))
+    view = studio.token_view(gen, 1)
+    logits = studio.model(gen.input_ids()).logits[0, view.position].double()
+    probs = logits.softmax(-1)
+    for a in view.alternatives:
+        assert a.probability == pytest.approx(float(probs[a.token_id]), abs=1e-5)
+    assert f"probability {view.chosen.probability:.3f}" in render.token_summary(view, None)
+    assert view.as_dict()["chosen"]["probability"] == view.chosen.probability

@@ -230,3 +230,25 @@ def test_explain_change_effects_add_up_to_the_change_of_the_margin_and_the_flip_
             longer = explain_token(model, z, new, iv, against=([5, 6], [5, 6, new], 2)).change  # the original ended
             assert longer.kind == "direct" and longer.reference == reference  # the plain model's own choice
     assert found >= 4 and with_flip_set >= 2
+
+
+@torch.no_grad()
+def test_probabilities_and_who_pushes_a_token_against_the_model_itself():
+    from prism.explain import explain_token, pushers
+
+    model = tiny_prism(n_prototypes=16, top_k=4)
+    z, _ = _state_and_bank(model, random_ids(batch=1, length=9, seed=7), 5)
+    logits = (model.lm_head.weight.double() @ z.double())
+    ex = explain_token(model, z, int(logits.argmax()), n_alternatives=4)
+    probs = logits.softmax(-1)
+    assert ex.probabilities == pytest.approx({d.token_id: float(probs[d.token_id]) for d in ex.alternatives},
+                                             abs=1e-5)
+    assert list(ex.probabilities.values()) == sorted(ex.probabilities.values(), reverse=True)
+    token = int(logits.argmin())
+    got = pushers(model, token, top=5)
+    brute = sorted(((i, float(model.prototypes.weight[i].double() @ model.lm_head.weight[token].double()))
+                    for i in range(16)), key=lambda x: -x[1])[:5]
+    assert [i for i, _ in got] == [i for i, _ in brute]
+    assert [v for _, v in got] == pytest.approx([v for _, v in brute], abs=1e-5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        pushers(model, 10**6)
