@@ -34,7 +34,8 @@ logger = logging.getLogger("precompute.attribution")
 
 NAME = "attribution"  # the job's row in `runs`, its tables in schema.JOB_TABLES
 BUILD_HINT = ("this database has no attribution cache: build one into a copy of it with `python -m "
-              "precompute.attribution --model MODEL --corpus CORPUS --db DB` (docs/COMMANDS.md: Training data behind a token)")
+              "precompute.attribution --model MODEL --corpus CORPUS --db DB` (docs/COMMANDS.md: Training data "
+              "behind a token)")
 
 
 # The app's second stage: a click scores every training sequence with the cached rows, then its RERANK best again,
