@@ -10,11 +10,10 @@ database is app/database.py; the Gradio layer (app/ui.py, app/handlers.py) only 
     view = studio.explain(intervened, 3, original=gen)    # ... and what the interventions changed there (view.why)
     diff = side_by_side(original, intervened)             # per-token status, first divergence
 
-Values are immutable: stream() yields a new Generation per token and never changes one it yielded, so a session
-(app/session.py) can hold them. Cost: generation keeps per step only what model.stream() already returns (token,
-effective prototype ids and activations, the chosen logit, and z for the first limits.keep_states_tokens tokens);
-a token past those needs the final states of the whole text, computed by one forward pass on first selection and
-kept beside the generation (not in it) while it lives (bench/app_latency.py measures both).
+Values are immutable: stream() yields a new Generation per token, never changing one it yielded, so a session
+(app/session.py) can hold them. Generation keeps per step what model.stream() returns (token, effective prototypes
+and activations, the chosen logit, z for the first limits.keep_states_tokens tokens); a later token needs one forward
+pass over the text, kept beside the generation while it lives (bench/app_latency.py measures both).
 """
 
 from __future__ import annotations
@@ -269,9 +268,7 @@ class Studio:
             yield gen
 
     def generate(self, settings: GenerationSettings, interventions: Interventions | None = None) -> Generation:
-        gen = None
-        for gen in self.stream(settings, interventions):  # noqa: B007 - the last value is the whole text
-            continue
+        *_, gen = self.stream(settings, interventions)  # the last value is the whole text
         return gen
 
     def top_category(self, step: Step) -> str:
@@ -337,16 +334,27 @@ class Studio:
         the strongest effects whose intervention alone makes the model stop writing the reference)."""
         return self.explain(intervened, index, original=original).why
 
-    def pushers(self, text: str, top: int = 50) -> tuple[str, list[tuple[int, float]], str]:
-        """Who pushes a token: (the token, [(prototype id, its slice at activation 1)] strongest first, a note when
-        the text is more than one token). AppError for text with no token."""
+    def token_of(self, text) -> tuple[int, str]:
+        """The first token of a text a user typed, and a note when the text is more than one; AppError for none."""
         text = limits.text("the token", text, 200)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text.strip() else []
         if not ids:
             raise AppError("type a token, e.g. ' Paris' (with its leading space, as it follows a word)")
-        note = "" if len(ids) == 1 else (f"{text[:40]!r} is {len(ids)} tokens; showing who pushes the first, "
-                                         f"{self.decode(ids[0])!r}")
-        return self.decode(ids[0]), explain.pushers(self.model, ids[0], top), note
+        return ids[0], "" if len(ids) == 1 else f"{text[:40]!r} is {len(ids)} tokens; using the first, " \
+            f"{self.decode(ids[0])!r}"
+
+    def pushers(self, text: str, top: int = 50) -> tuple[str, list[tuple[int, float]], str]:
+        """Who pushes a token: (the token, [(prototype id, its slice at activation 1)] strongest first, a note)."""
+        token, note = self.token_of(text)
+        return self.decode(token), explain.pushers(self.model, token, top), note
+
+    def contrast(self, gen: Generation, index, other) -> tuple[explain.Contrast, str]:
+        """Why generated token `index` and not the token `other` (text) at its position: prism.explain.Contrast
+        (margin = residual + one part per prototype, exactly) and a note when `other` was several tokens."""
+        index, _ = self.token_position(gen, index)
+        token, note = self.token_of(other)
+        return explain.contrast_tokens(self.model, self.state(gen, index), gen.steps[index].token_id, token,
+                                       gen.interventions), note
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])

@@ -280,6 +280,31 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
 
 
 @guarded
+def contrast(studio: Studio, run: str, index, other, session: Session):
+    """Why the explained token and not `other` (a token typed as text) at the same position: (figure, summary,
+    data). The gap between their logits splits exactly into the residual's part and one part per prototype."""
+    try:
+        if run not in RUNS:
+            raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
+        gen = session.original if run == "original" else session.intervened
+        if gen is None:
+            raise AppError("generate first, then explain a token and name another one to compare it with")
+        c, note = studio.contrast(gen, index, other)
+    except AppError as err:
+        return plots.empty_figure(str(err)), problem(err), None
+    a, b = studio.decode(c.token_a), studio.decode(c.token_b)
+    share = "" if c.token_a == c.token_b else f" (the prototypes carry {100 * c.share:.0f}% of it)"
+    md = (f"**Why {html.escape(repr(a))} and not {html.escape(repr(b))}:** logit gap {c.margin:+.4f} = residual "
+          f"{c.residual:+.4f} + prototypes {c.prototypes:+.4f}{share}. "
+          + (f"For {html.escape(repr(a))}: " + ", ".join(f"#{p} {v:+.3f}" for p, v in c.favouring("a")[:5])
+             if c.favouring("a") else "No prototype favours it")
+          + "; " + (f"for {html.escape(repr(b))}: " + ", ".join(f"#{p} {v:+.3f}" for p, v in c.favouring("b")[:5])
+                    if c.favouring("b") else "none favours the other") + "." + (f"  \nℹ️ {note}" if note else ""))
+    labels = {p: studio.label(p)[0] for p in c.prototype_ids}
+    return plots.contrast_figure(c, a, b, labels), md, c.as_dict()
+
+
+@guarded
 def clear_explanation():
     """A new generation empties the explanation panel: it described a token of the previous text (ClearPanel). It
     runs outside the queue, before the generation starts, so the old explanation is gone at once."""

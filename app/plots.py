@@ -191,6 +191,26 @@ def map_figure(points: list[dict], highlight: set[int] = frozenset(), selected: 
     return fig
 
 
+def contrast_figure(c, token_a: str, token_b: str, labels: dict[int, str], top: int = 12) -> go.Figure:
+    """Why token a and not token b (prism.explain.Contrast): one bar for the residual and one per prototype (the
+    largest parts; the rest summed), green where it favours a, red where it favours b; they add up to the gap."""
+    shown = list(zip(c.prototype_ids, c.contributions))[:top]
+    rest = sum(c.contributions[top:])
+    names = ["residual (W·r + b)"] + [slice_name(p, labels.get(p, "")) for p, _ in shown]
+    values = [c.residual] + [v for _, v in shown]
+    if len(c.contributions) > top:
+        names.append(f"{len(c.contributions) - top} other prototype(s)")
+        values.append(rest)
+    fig = go.Figure(go.Bar(y=names, x=values, orientation="h", text=[f"{v:+.3f}" for v in values],
+                           marker_color=["#7f7f7f"] + ["#2ca02c" if v > 0 else "#d62728" for v in values[1:]],
+                           hovertext=[f"{n}: {v:+.4f}" for n, v in zip(names, values)]))
+    fig.update_layout(title=dict(text=f"why {token_a!r} and not {token_b!r}: gap {c.margin:+.3f} = these parts "
+                                      "(green favours the first)", font=dict(size=14)),
+                      yaxis=dict(autorange="reversed", automargin=True),
+                      **{**_LAYOUT, "height": 120 + 26 * len(names)})
+    return fig
+
+
 def empty_figure(message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")

@@ -153,6 +153,13 @@ def _generate_panel(c: Components, studio: Studio) -> None:
     c["token_md"] = gr.Markdown(elem_id="token-summary")
     c["waterfall"] = gr.Plot(label="Decomposition", elem_id="decomposition")
     c["alternatives"] = gr.Plot(label="Alternatives", elem_id="alternatives")
+    with gr.Row():
+        c["contrast_box"] = gr.Textbox(label="Why this token and not…", placeholder="another token, e.g. ' city'",
+                                       scale=3, elem_id="contrast-token", max_length=200)
+        c["contrast_btn"] = gr.Button("Compare", scale=1, elem_id="contrast")
+    c["contrast_md"] = gr.Markdown(elem_id="contrast-summary")
+    c["contrast_plot"] = gr.Plot(label="Contrast", elem_id="contrast-plot")
+    c["contrast_json"] = gr.JSON(visible=False)
     c["active"] = gr.Dataframe(headers=h.ACTIVE_HEADERS, label="Active prototypes (click a row)", interactive=False,
                                elem_id="active", wrap=True, column_widths=["44px", "226px", "130px", "112px", "130px"])
     with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
@@ -288,6 +295,10 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
             partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name=False, **model).then(
             open_card, [c.proto_id], card, api_name=False)
     c.open_btn.click(open_card, [c.proto_id], card, api_name="prototype")
+    compared = c.outputs("contrast_plot", "contrast_md", "contrast_json")
+    contrast_inputs = [c.run, c.index, c.contrast_box, c.session]
+    c.contrast_btn.click(partial(h.contrast, studio), contrast_inputs, compared, api_name="contrast", **model)
+    c.contrast_box.submit(partial(h.contrast, studio), contrast_inputs, compared, api_name=False, **model)
 
     def pick_row(evt: gr.SelectData):
         return evt.row_value[0]

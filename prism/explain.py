@@ -23,6 +23,7 @@ the position that chose the token, from the generation's own forward or one pass
     ex = explain_token(model, z, token_id, interventions, n_alternatives=5)     # one call per click
     ex.chosen, ex.alternatives, ex.carried       # Decompositions (slices add up to each logit), the share carried
     contrast(ex.chosen, ex.alternatives[1])      # why A and not B: the margin as residual + one part per prototype
+    contrast_tokens(model, z, a, b)              # the same for any two tokens
     explain_token(..., against=(original_ids, intervened_ids, index)).change   # what an intervention changed here
     logit_attrs(model, z, token_ids)             # (n, K) tensor: every prototype's slice of each token's logit
     pushers(model, token_id)                     # who pushes token X: the prototypes whose signature raises it most
@@ -248,6 +249,15 @@ def contrast(a: Decomposition, b: Decomposition) -> Contrast:
     return Contrast(token_a=a.token_id, token_b=b.token_id, position=a.position, margin=a.logit - b.logit,
                     residual=a.residual - b.residual, prototype_ids=[a.prototype_ids[i] for i in order],
                     contributions=[parts[i] for i in order])
+
+
+@torch.no_grad()
+def contrast_tokens(model: PrismForCausalLM, z: torch.Tensor, token_a: int, token_b: int,
+                    interventions: Interventions | None = None) -> Contrast:
+    """The contrast of any two tokens at the state z (d,): one head pass, both decomposed from it."""
+    out = model.head(z.reshape(1, 1, -1), interventions)
+    a, b = model.decompose_output(out, 0, [int(token_a), int(token_b)])
+    return contrast(a, b)
 
 
 @torch.no_grad()

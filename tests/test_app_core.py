@@ -410,7 +410,7 @@ def test_who_pushes_a_token_lists_the_prototypes_whose_signature_raises_it_most(
     assert [r[-1] for r in rows] == pytest.approx([round(float(values[p]), 3) for p in expected], abs=1e-3)
     two = handlers.search(studio, " the cat", handlers.PUSHES, "all", "relevance")[1]
     n = len(studio.tokenizer(" the cat", add_special_tokens=False)["input_ids"])
-    assert f"is {n} tokens; showing who pushes the first" in two
+    assert f"is {n} tokens; using the first" in two
     assert handlers.search(studio, "   ", handlers.PUSHES, "all", "relevance")[1].endswith("sorted by relevance")
 
 
@@ -423,3 +423,25 @@ def test_the_summary_and_the_data_give_probabilities_beside_logits(studio):
         assert a.probability == pytest.approx(float(probs[a.token_id]), abs=1e-5)
     assert f"probability {view.chosen.probability:.3f}" in render.token_summary(view, None)
     assert view.as_dict()["chosen"]["probability"] == view.chosen.probability
+
+
+def test_contrast_of_the_explained_token_with_any_other_splits_their_logit_gap_exactly(studio):
+    settings = GenerationSettings(PROMPT, max_new_tokens=4)
+    session = interventions.scale(studio, 3, 2.0, Session()).session
+    *_, session, _ = list(handlers.generate(studio, PROMPT, 4, 0, 1, 0, session))[-1]
+    other_id = studio.tokenizer(" cat", add_special_tokens=False)["input_ids"][0]
+    for run, gen in (("original", session.original), ("intervened", session.intervened)):
+        figure, summary, data = handlers.contrast(studio, run, 2, " cat", session)
+        logits = studio.model(gen.input_ids(), interventions=gen.interventions).logits[0, len(gen.prompt_ids) + 1]
+        chosen = gen.steps[2].token_id
+        assert data["token_a"] == chosen and data["token_b"] == other_id
+        assert data["margin"] == pytest.approx(float(logits[chosen] - logits[other_id]), abs=1e-3)
+        assert data["residual"] + sum(p["contribution"] for p in data["parts"]) == pytest.approx(data["margin"],
+                                                                                                abs=1e-4)
+        assert "Why" in summary and "logit gap" in summary
+        assert sum(figure.data[0].x) == pytest.approx(data["margin"], abs=1e-3)  # the bars add up to the gap
+    for bad in ("", None, "x" * 300):
+        _, status, data = handlers.contrast(studio, "original", 2, bad, session)
+        assert status.startswith("⚠️") and data is None
+    assert handlers.contrast(studio, "original", 99, " cat", session)[1].startswith("⚠️")
+    assert settings.max_new_tokens == 4

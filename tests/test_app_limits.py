@@ -221,7 +221,7 @@ def test_an_unexpected_error_reaches_the_user_as_one_line(studio):
 def test_every_model_event_is_in_one_concurrency_group(studio):
     demo = ui.build_demo(studio, concurrency=2)
     model_handlers = {"generate_for", "decompose", "attribute", "refresh_attribution", "export_generation",
-                      "pending_for", "select_pending", "controller"}  # generate_for: generate with the session hash
+                      "pending_for", "select_pending", "controller", "contrast"}  # *_for: with the session hash
     seen = set()
     for fn in demo.fns.values():
         inner = getattr(fn.fn, "func", fn.fn)  # a partial binds the studio
