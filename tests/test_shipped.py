@@ -45,6 +45,7 @@ def test_the_next_default_in_progress_is_a_trainable_only_bank_with_its_run_argu
         pytest.skip("no next default in progress")
     config = json.loads((folder / "model" / "config.json").read_text())
     assert config["weights"] == "trainable" and config["backbone"] == "smollm2"
+    assert config["text_config"]["_name_or_path"] == "smollm2"  # no path of the training machine
     args = json.loads((folder / "train_args.json").read_text())
     assert (config["n_prototypes"], config["top_k"]) == (args["n_prototypes"], args["top_k"])
     with safe_open(folder / "model" / "model.safetensors", "pt") as f:
