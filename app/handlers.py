@@ -253,17 +253,23 @@ def select_intervened(evt: gr.SelectData):
     return "intervened", int(evt.index)
 
 
+def _text_of(session: Session, run) -> Generation:
+    """The session's original or intervened text, as the page names it; AppError when it has none."""
+    if run not in RUNS:
+        raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
+    gen = session.original if run == "original" else session.intervened
+    if gen is None:
+        raise AppError("generate first" if run == "original" else
+                       "there is no intervened text: add an intervention and generate again")
+    return gen
+
+
 @guarded
 def decompose(studio: Studio, run: str, index: float, session: Session):
     """The explanation of one generated token (TokenPanel: waterfall, alternatives, summary, active prototypes, the
     top prototype's id to open its card, session, the data as JSON), from one call into the library."""
     try:
-        if run not in RUNS:
-            raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
-        gen = session.original if run == "original" else session.intervened
-        if gen is None:
-            raise AppError("generate first" if run == "original" else
-                           "there is no intervened text: add an intervention and generate again")
+        gen = _text_of(session, run)
         view = studio.explain(gen, index, original=session.original if run == "intervened" else None)
     except AppError as err:
         empty = plots.empty_figure(str(err))
@@ -284,12 +290,7 @@ def contrast(studio: Studio, run: str, index, other, session: Session):
     """Why the explained token and not `other` (a token typed as text) at the same position: (figure, summary,
     data). The gap between their logits splits exactly into the residual's part and one part per prototype."""
     try:
-        if run not in RUNS:
-            raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
-        gen = session.original if run == "original" else session.intervened
-        if gen is None:
-            raise AppError("generate first, then explain a token and name another one to compare it with")
-        c, note = studio.contrast(gen, index, other)
+        c, note = studio.contrast(_text_of(session, run), index, other)
     except AppError as err:
         return plots.empty_figure(str(err)), problem(err), None
     a, b = studio.decode(c.token_a), studio.decode(c.token_b)

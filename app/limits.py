@@ -171,31 +171,15 @@ def generation_cost(prompt_tokens: int, new_tokens: int, columns: int) -> float:
 
 class CostBudget:
     """Per session, a bucket of cost units (Limits.cost_burst, refilled at cost_per_minute): spend() admits a
-    generation or says how long to wait. Shared by every session of the app, bounded in keys, thread-safe."""
+    generation or says how long to wait. A SessionBuckets whose tokens are cost units; thread-safe."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.clock = limits.cost_per_minute / 60, float(limits.cost_burst), clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        self._max_keys = 4 * limits.max_sessions
-        self._lock = threading.Lock()
+        self.buckets = SessionBuckets(limits.cost_per_minute / 60, limits.cost_burst, 4 * limits.max_sessions, clock)
 
     def spend(self, key: str, cost: float) -> float:
         """Take `cost` units: 0.0 when admitted, else the seconds until the bucket holds them (nothing taken). A
         generation dearer than the whole burst is admitted when the bucket is full, and empties it."""
-        now = self.clock()
-        with self._lock:
-            units, last = self._buckets.pop(key, (self.burst, now))
-            units = min(self.burst, units + (now - last) * self.rate)
-            need = min(cost, self.burst)
-            wait = 0.0
-            if units >= need:
-                units -= need
-            else:
-                wait = (need - units) / self.rate
-            self._buckets[key] = (units, now)
-            while len(self._buckets) > self._max_keys:
-                self._buckets.popitem(last=False)
-        return wait
+        return self.buckets.take(key, min(cost, self.buckets.burst))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,17 +196,17 @@ class SessionBuckets:
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, last time)
         self._lock = threading.Lock()
 
-    def take(self, key: str) -> float:
-        """Spend one token: 0.0 when allowed, else the seconds until one is available."""
+    def take(self, key: str, amount: float = 1.0) -> float:
+        """Spend `amount` tokens: 0.0 when allowed, else the seconds until they are available (nothing spent)."""
         now = self.clock()
         with self._lock:
             tokens, last = self._buckets.pop(key, (self.burst, now))
             tokens = min(self.burst, tokens + (now - last) * self.rate)
             wait = 0.0
-            if tokens >= 1:
-                tokens -= 1
+            if tokens >= amount:
+                tokens -= amount
             else:
-                wait = (1 - tokens) / self.rate
+                wait = (amount - tokens) / self.rate
             self._buckets[key] = (tokens, now)
             while len(self._buckets) > self.max_keys:
                 self._buckets.popitem(last=False)
