@@ -294,13 +294,18 @@ def contrast(studio: Studio, run: str, index, other, session: Session):
     except AppError as err:
         return plots.empty_figure(str(err)), problem(err), None
     a, b = studio.decode(c.token_a), studio.decode(c.token_b)
-    share = "" if c.token_a == c.token_b else f" (the prototypes carry {100 * c.share:.0f}% of it)"
-    md = (f"**Why {html.escape(repr(a))} and not {html.escape(repr(b))}:** logit gap {c.margin:+.4f} = residual "
-          f"{c.residual:+.4f} + prototypes {c.prototypes:+.4f}{share}. "
-          + (f"For {html.escape(repr(a))}: " + ", ".join(f"#{p} {v:+.3f}" for p, v in c.favouring("a")[:5])
-             if c.favouring("a") else "No prototype favours it")
-          + "; " + (f"for {html.escape(repr(b))}: " + ", ".join(f"#{p} {v:+.3f}" for p, v in c.favouring("b")[:5])
-                    if c.favouring("b") else "none favours the other") + "." + (f"  \nℹ️ {note}" if note else ""))
+    share = "" if c.token_a == c.token_b else f" (the prototypes carry {100 * c.share:.0f}% of it" + (
+        ", the two pull opposite ways)" if not 0 <= c.share <= 1 else ")")
+    qa, qb = html.escape(repr(a)), html.escape(repr(b))
+
+    def side(which: str, token: str) -> str:
+        parts = c.favouring(which)[:5]
+        return f"for {token}: " + ", ".join(f"#{p} {v:+.3f}" for p, v in parts) if parts else \
+            f"no prototype favours {token}"
+
+    md = (f"**Why {qa} and not {qb}:** logit gap {c.margin:+.4f} = residual {c.residual:+.4f} + prototypes "
+          f"{c.prototypes:+.4f}{share}. {side('a', qa)[0].upper()}{side('a', qa)[1:]}; {side('b', qb)}."
+          + (f"  \nℹ️ {note}" if note else ""))
     labels = {p: studio.label(p)[0] for p in c.prototype_ids}
     return plots.contrast_figure(c, a, b, labels), md, c.as_dict()
 
