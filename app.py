@@ -5,6 +5,10 @@ evidence behind each prototype, suppress or scale prototypes and compare the tex
     python app.py --model runs/m --db out.duckdb    # your own; --db is optional (no evidence without it)
     python app.py --host 0.0.0.0 --port 7860 --share
     python app.py --max-prompt-tokens 1024 --requests-per-s 5   # limits for a public app (see app/limits.py)
+    python app.py --model runs/m --db out.duckdb --training-data-cache   # build its attribution cache meanwhile
+
+With the shipped default, the first start builds the training-data cache in the background (app/training_data.py;
+about N min on two cores, once per machine); every other panel works meanwhile.
 
 On a Hugging Face Space (SPACE_ID set) the controller box takes only shipped controllers and uploads, and --host
 defaults to GRADIO_SERVER_NAME (the Space sets 0.0.0.0).
@@ -31,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--concurrency", type=int, default=2, help="generations running at once (they share the CPU)")
+    parser.add_argument("--training-data-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="build the training-data (attribution) cache in the background when the database has "
+                             "none, once per machine, into the cache folder (default: on for the shipped default)")
     from app.limits import Limits
 
     group = parser.add_argument_group("limits for a public app (app/limits.py)")
@@ -71,6 +78,14 @@ def main(argv: list[str] | None = None) -> None:
         studio = Studio.load(model, resolve_db(args.db, model_given=args.model is not None), limits=limits)
     except (OSError, ValueError) as err:
         cli.fail(parser, f"cannot load the model at {model}: {err}")
+    shipped = args.model is None and args.db is None
+    if args.training_data_cache or (args.training_data_cache is None and shipped):
+        from app import training_data
+
+        build = training_data.FirstStartBuild.for_database(model, studio.db)
+        if build is not None:
+            build.start()
+            training_data.attach(studio, build)
     launch(build_demo(studio, args.concurrency), host=args.host, port=args.port, share=args.share,
            concurrency=args.concurrency, limits=limits)
 

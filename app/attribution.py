@@ -1,5 +1,6 @@
 """The "training data behind this token" panel: the training sequences that most lowered a generated token's loss,
-served from the attribution cache of the precompute database (precompute/attribution/, prism/attribution.py).
+served from the attribution cache of the precompute database (precompute/attribution/, prism/attribution.py), or,
+for a database without one, from the cache the app builds on first start (app/training_data.py).
 
     data = attribute_token(studio, gen, index=3, top=10)     # {"token", "sequences": [...], ...}; AppError if no cache
     html_text, data = attribution_panel(studio, "original", 3, session)   # the Gradio handler (api_name "attribute")
@@ -19,7 +20,7 @@ import logging
 import threading
 import weakref
 
-from app import limits
+from app import limits, training_data
 from app.core import AppError, Database, Generation, Studio
 from app.messages import problem
 from app.render import attribution_html
@@ -31,12 +32,28 @@ logger = logging.getLogger(__name__)
 RUNS = ("original", "intervened")
 EMPTY = "Click a generated token to see the training sequences behind it."
 
-_indexes: weakref.WeakKeyDictionary[Database, CachedIndex] = weakref.WeakKeyDictionary()
-_catalogs: weakref.WeakKeyDictionary[Database, cache.SequenceCatalog] = weakref.WeakKeyDictionary()
+CacheDatabase = Database | training_data.ReadOnly  # the served database, or the first-start build's
+_indexes: weakref.WeakKeyDictionary[CacheDatabase, CachedIndex] = weakref.WeakKeyDictionary()
+_catalogs: weakref.WeakKeyDictionary[CacheDatabase, cache.SequenceCatalog] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def index_for(studio: Studio, db: Database) -> CachedIndex:
+def cache_database(studio: Studio) -> CacheDatabase:
+    """Where the training-data cache is: the served database, else the first-start build's once finished
+    (app/training_data.py); AppError with the build command, or with the build's progress while it runs."""
+    db = studio.need_db()
+    if db in _indexes or db.run(cache.has_attribution):
+        return db
+    build = training_data.builder_for(studio)
+    if build is None:
+        raise AppError(f"{cache.BUILD_HINT}.")
+    ready = build.database()
+    if ready is None:
+        raise AppError(build.status())
+    return ready
+
+
+def index_for(studio: Studio, db: CacheDatabase) -> CachedIndex:
     """The database's cache in memory, loaded on first use; AppError with the build command if it has none."""
     with _lock:
         if db not in _indexes:
@@ -66,7 +83,7 @@ def _load_index(con, path, output_embeddings) -> CachedIndex:
 
 def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:
     """The top training sequences for generated token `index` of `gen`, with scores, documents and spans."""
-    db = studio.need_db()
+    db = cache_database(studio)
     cached = index_for(studio, db)
     if cached.n_prototypes != studio.n_prototypes:
         raise AppError(f"the attribution cache describes {cached.n_prototypes} prototypes but the model has "

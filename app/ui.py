@@ -14,7 +14,7 @@ from starlette.middleware import Middleware
 from app import controllers as app_controllers
 from app import handlers as h
 from app import interventions as iv
-from app import plots
+from app import plots, training_data
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
 from app.limits import Limits, RequestLimiter
@@ -94,6 +94,21 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     return demo
 
 
+def _training_data_status(studio: Studio) -> None:
+    """While the first-start build of the training-data cache runs (app/training_data.py): its progress line,
+    refreshed every 5 s until the cache is ready."""
+    build = training_data.builder_for(studio)
+    if build is None:
+        return
+    status = gr.Markdown(build.status, elem_id="training-data-status")
+    timer = gr.Timer(5, active=build.database() is None)
+
+    def tick():
+        return build.status(), gr.Timer(active=build.database() is None)
+
+    timer.tick(tick, None, [status, timer], api_name=False, show_progress="hidden", queue=False)
+
+
 def _database_note(studio: Studio) -> str:
     note = "" if studio.db is not None else f"\n\n⚠️ {html.escape(studio.db_error or '')} " + \
         "No precompute database: labels, categories and evidence are off. Build one with `python -m precompute " \
@@ -165,6 +180,7 @@ def _generate_panel(c: Components, studio: Studio) -> None:
     with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
         c["attribute_btn"] = gr.Button("Find the training data", elem_id="attribute")
         c["attribution_html"] = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
+        _training_data_status(studio)
         c["attribution_json"] = gr.JSON(visible=False)
     with gr.Accordion("Data (as the API returns it)", open=False):
         c["result_json"] = gr.JSON(label="generate")

@@ -14,6 +14,7 @@ packages, checked against the stored sha256; a mismatch is reported in the row i
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -232,6 +233,19 @@ def check_documents(con: duckdb.DuckDBPyConnection, max_errors: int = 5) -> dict
     total = con.execute("SELECT count(*) FROM documents").fetchone()[0]
     return {"pointer_only": bool(rows), "documents": total, "resolved": resolved + total - len(rows),
             "errors": errors}
+
+
+def built_from(con: duckdb.DuckDBPyConnection) -> dict | None:
+    """What the database's evidence was built from: {"corpus": the corpus spec ("default-v3", or a file's name),
+    "weights_sha256": the model's weights}; None for a database without an evidence run."""
+    if not _has_table(con, "runs"):
+        return None
+    row = con.execute("SELECT args_json FROM runs WHERE job = 'evidence'").fetchone()
+    if row is None:
+        return None
+    args = json.loads(row[0])
+    return {"corpus": (args.get("corpus") or {}).get("spec"),
+            "weights_sha256": (args.get("model") or {}).get("weights_sha256")}
 
 
 def categories(con: duckdb.DuckDBPyConnection) -> list[dict]:

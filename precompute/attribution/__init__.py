@@ -51,6 +51,8 @@ from precompute.attribution.cache import (
     load_exact_store,
     load_factors,
     load_index,
+    progress_file,
+    read_progress,
     sequence_token_ids,
     sequences,
 )
@@ -67,5 +69,6 @@ from precompute.attribution.job import (
 __all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_ENTRY_ARRAYS", "EXACT_FORMAT", "JOB", "NAME",
            "RERANK", "SequenceCatalog", "AttributionArgs", "add_arguments", "attribution_args", "attribution_rows",
            "document_text", "exact_folder", "has_attribution", "index_folder_for", "kept_tokens_folder",
-           "load_curvature", "load_exact_store", "load_factors", "load_index", "run", "sequence_token_ids", "sequences",
+           "load_curvature", "load_exact_store", "load_factors", "load_index", "progress_file", "read_progress",
+           "run", "sequence_token_ids", "sequences",
            "work_folder"]

@@ -126,6 +126,19 @@ def _read_only(con: duckdb.DuckDBPyConnection) -> bool:
     return bool(row and row[0])
 
 
+def progress_file(db: str | Path) -> Path:
+    """Where a running attribution job says how far it got (job.Progress writes it, read_progress reads it)."""
+    return Path(db).with_name(Path(db).name + ".progress.json")
+
+
+def read_progress(db: str | Path) -> dict | None:
+    """The last progress a job building into `db` reported ({"phase", "done", "total", "eta_s", ...}), or None."""
+    try:
+        return json.loads(progress_file(db).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def exact_folder(db: str | Path) -> Path:
     """Where the build keeps its exact store (prism.attribution.ExactStore) beside the database."""
     return Path(db).with_name(Path(db).name + ".attribution-exact")

@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +21,15 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from precompute.attribution.cache import EXACT_ENTRY_ARRAYS, EXACT_FORMAT, NAME, exact_folder, index_parts, load_factors
+from precompute.attribution.cache import (
+    EXACT_ENTRY_ARRAYS,
+    EXACT_FORMAT,
+    NAME,
+    exact_folder,
+    index_parts,
+    load_factors,
+    progress_file,
+)
 from precompute.inputs import Context, Job, Window, document_windows
 from precompute.runs import (
     NO_HOOKS,
@@ -47,6 +57,7 @@ from prism.attribution import (
     whitened_basis,
 )
 from prism.cli import arg
+from prism.data import is_validation
 
 logger = logging.getLogger("precompute.attribution")
 
@@ -63,6 +74,8 @@ class AttributionArgs:
                                           "corpus)")
     rank: int = arg(128, "coordinates kept per cached vector (0: all d, no projection)")
     damping: float = arg(0.1, "damping, relative to the mean eigenvalue of the curvature")
+    holdout: float = arg(0.0, "leave out the documents prism.train held out for validation at this fraction (the "
+                              "same doc-id hash, e.g. 0.05), so every sequence is one the model could train on")
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "docs_per_chunk", "sequences_per_chunk"):
@@ -76,6 +89,8 @@ class AttributionArgs:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not self.damping > 0:
             raise ValueError(f"damping must be > 0, got {self.damping}")
+        if not 0 <= self.holdout < 1:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,12 +181,40 @@ def work_folder(db: Path) -> Path:
     return db.with_name(db.name + ".attribution")
 
 
+class Progress:
+    """What the job is doing, for a process that cannot open the database while the job writes it (DuckDB lets
+    one process write a file and no other read it meanwhile): progress_file(db) holds {"phase", "done", "total",
+    "eta_s", "pid", "time"}, replaced atomically at every chunk. eta_s is this phase's rate in this process
+    extrapolated, None until a chunk has been timed. The app's first-start build reads it (app/training_data.py)."""
+
+    def __init__(self, db: Path | None) -> None:
+        self.path = None if db is None else progress_file(db)
+        self._start: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        if self.path is None:
+            return
+        now = time.time()
+        t0, done0 = self._start.setdefault(phase, (now, done))
+        eta = None
+        if total is not None and done > done0 and now > t0:
+            eta = round((now - t0) / (done - done0) * max(0, total - done), 1)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"phase": phase, "done": int(done), "total": total, "eta_s": eta,
+                                   "pid": os.getpid(), "time": now}))
+        os.replace(tmp, self.path)
+
+
+NO_PROGRESS = Progress(None)
+
+
 def kept_tokens_folder(db: Path) -> Path:
     return Path(db).with_name(Path(db).name + ".attribution-tokens")
 
 
 def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.ndarray, n_rows: int, folder: Path,
-                      run_id: str, output_vectors: torch.Tensor, sequences_per_chunk: int) -> None:
+                      run_id: str, output_vectors: torch.Tensor, sequences_per_chunk: int,
+                      progress: Progress = NO_PROGRESS) -> None:
     """The exact store from the fit pass's token files: every sequence's exact gradient rows (as the vectors pass
     computes them, before whitening and projection) rotated by Q_S (output_vectors, the factors' own), float16
     with a float32 scale per row, their prototype ids and each sequence's row offsets, as .npy files the app
@@ -199,6 +242,7 @@ def write_exact_store(model: PrismForCausalLM, files: TokenFiles, offsets: np.nd
             entries["entry_activations"].append(part.entry_activation.numpy().astype(np.float32))
             entries["entry_targets"].append(part.entry_target.numpy().astype(np.int32))
             at += n
+            progress("exact store", min(lo + sequences_per_chunk, n_sequences), n_sequences)
         if at != n_rows:
             raise RuntimeError(f"the exact store found {at} rows, the cache holds {n_rows} vectors")
         rows.flush()
@@ -253,7 +297,7 @@ def _process_windows(model: PrismForCausalLM, windows: list[Window], state: FitS
 
 
 def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, work: Path,
-            hooks: JobHooks = NO_HOOKS) -> FitState:
+            hooks: JobHooks = NO_HOOKS, progress: Progress = NO_PROGRESS) -> FitState:
     """Pass 1, resumable: every training window once through the model."""
     state = FitState.load(work / "fit", model)
     files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
@@ -264,6 +308,7 @@ def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs
     if state.complete:
         return state
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    progress("fit", state.n_sequences, args.max_sequences)
     bar = tqdm(desc="attribution: fit", unit="seq", initial=state.n_sequences, total=args.max_sequences)
     chunk: list[Window] = []
     chunk_docs = 0
@@ -276,6 +321,7 @@ def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs
         hooks.kill("fit", state.chunks)
         state.docs_bytes = docs_file.stat().st_size
         state.save(work / "fit")
+        progress("fit", state.n_sequences, args.max_sequences)
 
     for position, doc in enumerate(documents):
         if position < state.docs_seen:
@@ -285,6 +331,8 @@ def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs
         room = None if args.max_sequences is None else args.max_sequences - state.n_sequences - len(chunk)
         if room is not None and room <= 0:
             break
+        if args.holdout and is_validation(doc.doc_id, args.holdout):  # not a training document
+            continue
         windows, n_tokens = document_windows(position, doc.text, tokenizer, args.seq_len)
         windows = [w for w in windows if len(w.ids) >= 2][:room]
         if windows:
@@ -385,7 +433,8 @@ def _write_factors(con, model, tokenizer, state: FitState, work: Path, args: Att
 
 
 def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor], state: FitState,
-                   args: AttributionArgs, files: TokenFiles, offsets: np.ndarray, hooks: JobHooks = NO_HOOKS) -> int:
+                   args: AttributionArgs, files: TokenFiles, offsets: np.ndarray, hooks: JobHooks = NO_HOOKS,
+                   progress: Progress = NO_PROGRESS) -> int:
     """Pass 3: the cached vectors, chunk by chunk, each chunk committed with its progress."""
     whitening, basis = index_parts
     start = int(get_progress(con, NAME, "next_sequence", "0"))
@@ -413,6 +462,7 @@ def _write_vectors(con, model, index_parts: tuple[BlockWhitening, torch.Tensor],
             set_progress(con, NAME, "next_sequence", str(hi))
         written += len(frame)
         bar.update(hi - lo)
+        progress("vectors", hi, state.n_sequences)
         hooks.kill("vectors", chunk_number)
     bar.close()
     return written
@@ -426,7 +476,10 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
     work = work_folder(db)
     con = connect(db)
     try:
-        status = start_job(con, NAME, {**job_args, **asdict(args)}, overwrite=overwrite)
+        stored = asdict(args)
+        if not args.holdout:  # caches built before the option existed keep their arguments
+            del stored["holdout"]
+        status = start_job(con, NAME, {**job_args, **stored}, overwrite=overwrite)
         if status == "done":
             logger.info("attribution already built with these arguments in %s", db)
             shutil.rmtree(work, ignore_errors=True)
@@ -436,19 +489,22 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
             for stale in (kept_tokens_folder(db), exact_folder(db)):  # an earlier build's
                 shutil.rmtree(stale, ignore_errors=True)
         model.eval()
-        state = run_fit(model, tokenizer, documents, args, work, hooks)
+        progress = Progress(db)
+        state = run_fit(model, tokenizer, documents, args, work, hooks, progress)
         files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
         offsets = _sequence_token_ranges(state)
         if get_progress(con, NAME, "phase") != "vectors":
+            progress("factors", 0, 1)
             _write_factors(con, model, tokenizer, state, work, args, files, offsets)
         factors = load_factors(con)
         parts = index_parts(factors)
-        written = _write_vectors(con, model, parts, state, args, files, offsets, hooks)
+        written = _write_vectors(con, model, parts, state, args, files, offsets, hooks, progress)
         n_rows = con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0]
         write_exact_store(model, files, offsets, n_rows, exact_folder(db), job_run_id(con, NAME),
-                          parts[0].output_vectors, args.sequences_per_chunk)
+                          parts[0].output_vectors, args.sequences_per_chunk, progress)
         with transaction(con):
             finish_job(con, NAME)
+        progress("done", state.n_sequences, state.n_sequences)
         summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
                    "rows": con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0],
                    "rows_this_run": written, "rank": int(factors["basis"].shape[1])}
@@ -466,7 +522,8 @@ def add_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> None
     batch-size, docs-per-chunk and limit come from the evidence flags there, so both jobs cut the same windows)."""
     if not shared:
         cli.add_dataclass_arguments(parser, AttributionArgs, ("seq_len", "batch_size", "docs_per_chunk", "limit"))
-    cli.add_dataclass_arguments(parser, AttributionArgs, ("rank", "damping", "max_sequences"), prefix="attribution_")
+    cli.add_dataclass_arguments(parser, AttributionArgs, ("rank", "damping", "max_sequences", "holdout"),
+                                prefix="attribution_")
     # the chunk size keeps its short flag, --attribution-chunk
     chunk = next(f for f in dataclasses.fields(AttributionArgs) if f.name == "sequences_per_chunk")
     parser.add_argument("--attribution-chunk", type=int, default=chunk.default, help=chunk.metadata["help"])
@@ -475,7 +532,8 @@ def add_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> None
 def attribution_args(ns: argparse.Namespace) -> AttributionArgs:
     return AttributionArgs(seq_len=ns.seq_len, batch_size=ns.batch_size, docs_per_chunk=ns.docs_per_chunk,
                            limit=ns.limit, max_sequences=ns.attribution_max_sequences, rank=ns.attribution_rank,
-                           damping=ns.attribution_damping, sequences_per_chunk=ns.attribution_chunk)
+                           damping=ns.attribution_damping, sequences_per_chunk=ns.attribution_chunk,
+                           holdout=ns.attribution_holdout)
 
 
 def run_job(context: Context) -> dict | None:
