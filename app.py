@@ -84,8 +84,11 @@ def main(argv: list[str] | None = None) -> None:
 
         build = training_data.FirstStartBuild.for_database(model, studio.db)
         if build is not None:
-            build.start()
+            from app.attribution import index_for
+
+            build.on_ready.append(lambda db: index_for(studio, db))  # the first click finds the index loaded
             training_data.attach(studio, build)
+            build.start()
     launch(build_demo(studio, args.concurrency), host=args.host, port=args.port, share=args.share,
            concurrency=args.concurrency, limits=limits)
 

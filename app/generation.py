@@ -82,5 +82,11 @@ def rerouted_summary(gen: Generation, top: int = 5) -> list[tuple[int, int]]:
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
 
 
+def never_active(gen: Generation, prototype_ids) -> list[int]:
+    """Those of prototype_ids that no generated token of gen used (a scaled prototype the text never reached)."""
+    used = {pid for step in gen.steps for pid in step.prototype_ids}
+    return sorted(int(p) for p in prototype_ids if int(p) not in used)
+
+
 def same_settings(gen: Generation | None, settings: GenerationSettings) -> bool:
     return gen is not None and gen.settings == settings

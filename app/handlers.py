@@ -37,6 +37,7 @@ from app.core import (
     rerouted_summary,
     side_by_side,
 )
+from app.generation import never_active
 from app.messages import guarded, ok, problem
 from app.panels import (
     CardPanel,
@@ -238,6 +239,11 @@ def _generation_status(studio: Studio, current: dict, diff=None, done: bool = Fa
             parts.append("Re-routed: the suppressed prototypes' slots went to " + ", ".join(
                 f"#{pid} {html.escape(studio.label(pid)[0] or '(no label)')} ({n} token(s))"
                 for pid, n in brought_in) + ".")
+        idle = never_active(current["intervened"], current["intervened"].interventions.scale)
+        if idle:
+            parts.append("Scaled but never active in this text, so scaling changed nothing there: " + ", ".join(
+                f"#{pid}" for pid in idle[:10]) + (" ..." if len(idle) > 10 else "") + ". To add a prototype where "
+                "the model does not select it, inject it (its card: Activation, then Inject).")
     return "  \n".join(parts)
 
 

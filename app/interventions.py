@@ -1,8 +1,8 @@
-"""The handlers of the interventions panel: suppress or scale a prototype, a category, every search match or a
-preset; how suppression acts; remove and clear; load a fitted controller. Each returns an InterventionsPanel
-(session, the list, status) or, for the controller, a ControllerPanel, and is wired by app/ui.py like the handlers
-of app/handlers.py, whose conventions it shares (a new Session, never a shared one changed; messages from
-app/messages.py, never raw exceptions).
+"""The handlers of the interventions panel: suppress, scale or inject a prototype; suppress a category, every
+search match or a preset; how suppression acts; remove and clear; load a fitted controller. Each returns an
+InterventionsPanel (session, the list, status) or, for the controller, a ControllerPanel, and is wired by app/ui.py
+like the handlers of app/handlers.py, whose conventions it shares (a new Session, never a shared one changed;
+messages from app/messages.py, never raw exceptions).
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ from app import limits
 from app.core import AppError, Studio
 from app.messages import guarded, ok, problem
 from app.panels import ControllerPanel, InterventionsPanel
-from app.session import MAX_SCALE, SUPPRESS_MODE_NAMES, Session, group_item, scale_item, suppress_item
+from app.session import (
+    MAX_INJECT,
+    MAX_SCALE,
+    SUPPRESS_MODE_NAMES,
+    Session,
+    group_item,
+    inject_item,
+    scale_item,
+    suppress_item,
+)
 
 
 def _intervened(studio: Studio, session: Session, make) -> InterventionsPanel:
@@ -42,6 +51,21 @@ def scale(studio: Studio, prototype_id, factor: float, session: Session):
     def make():
         pid = studio.check_prototype(prototype_id)
         return scale_item(pid, limits.number("the scale factor", factor, 0, MAX_SCALE), studio.label(pid)[0])
+
+    return _intervened(studio, session, make)
+
+
+@guarded
+def inject(studio: Studio, prototype_id, activation: float, session: Session):
+    """Prototype `prototype_id` active at every token with `activation`, selected there or not: its slice
+    activation * W p enters every logit (steering with a prototype the text never reaches)."""
+    def make():
+        pid = studio.check_prototype(prototype_id)
+        value = limits.number("the injected activation", activation, 0, MAX_INJECT)
+        if value <= 0:
+            raise AppError(f"the injected activation must be above 0 (at most {MAX_INJECT:g}); to switch a "
+                           "prototype off, suppress it")
+        return inject_item(pid, value, studio.label(pid)[0])
 
     return _intervened(studio, session, make)
 

@@ -4,7 +4,8 @@ other's interventions. Every change returns a new Session (dataclasses.replace),
 
     s = Session().add(suppress_item(12, "year numbers"))
     s = s.add(scale_item(7, 2.0, "suffix -ing")).add(group_item("category", "numbers/time", [1, 3, 9]))
-    s.interventions()   # -> prism.Interventions(suppress={1, 3, 9, 12}, scale={7: 2.0})
+    s = s.add(inject_item(40, 3.0, "capital cities"))    # active at every token with activation 3, selected or not
+    s.interventions()   # -> prism.Interventions(suppress={1, 3, 9, 12}, scale={7: 2.0}, inject={40: 3.0})
     s = s.remove(0)
     s = replace(s, controller=loaded, controller_on=True)   # a fitted controller too (app/controllers.py)
     s = s.with_suppress_mode("zero")   # suppressions remove the slices instead of re-routing (the app's default)
@@ -21,8 +22,9 @@ from prism.model import SUPPRESS_MODES
 if TYPE_CHECKING:
     from app.core import Generation
 
-KINDS = ("suppress", "scale", "category", "search", "preset")
+KINDS = ("suppress", "scale", "inject", "category", "search", "preset")
 MAX_SCALE = 10.0
+MAX_INJECT = 50.0  # an injected activation (the bank's own activations are a few units; larger breaks the text)
 # How the app switches a prototype off (prism.Interventions.suppress_mode): re-routing keeps the text fluent where
 # removing the slices leaves a hole (docs/RESULTS.md), so it is the app's default; the library's stays "zero".
 DEFAULT_SUPPRESS_MODE = "reroute"
@@ -31,8 +33,9 @@ SUPPRESS_MODE_NAMES = {"reroute": "re-route to the nearest prototypes", "zero": 
 
 @dataclass(frozen=True)
 class InterventionItem:
-    """One row of the user's intervention list. factor 0 means suppress; a group (category or search result)
-    is suppressed as a whole; ids are fixed when the item is added."""
+    """One row of the user's intervention list. factor 0 means suppress; for kind "inject" factor is the injected
+    activation (> 0); a group (category or search result) is suppressed as a whole; ids are fixed when the item is
+    added."""
 
     kind: str  # one of KINDS
     target: str  # what the user picked: "#12 year numbers", a category, a search query
@@ -42,10 +45,16 @@ class InterventionItem:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if not 0.0 <= self.factor <= MAX_SCALE:
+        if self.kind == "inject":
+            if not 0.0 < self.factor <= MAX_INJECT or len(self.prototype_ids) != 1:
+                raise ValueError(f"an injected activation must be above 0 and at most {MAX_INJECT:g}, got "
+                                 f"{self.factor}")
+        elif not 0.0 <= self.factor <= MAX_SCALE:
             raise ValueError(f"scale factor must be between 0 and {MAX_SCALE:g}, got {self.factor}")
 
     def describe(self) -> str:
+        if self.kind == "inject":
+            return f"inject prototype {self.target} at activation {self.factor:g} (1 prototype(s))"
         action = "suppress" if self.factor == 0 else f"scale x{self.factor:g}"
         what = {"suppress": "prototype", "scale": "prototype", "category": "category", "search": "search",
                 "preset": "preset"}[self.kind]
@@ -59,6 +68,11 @@ def suppress_item(prototype_id: int, label: str = "") -> InterventionItem:
 def scale_item(prototype_id: int, factor: float, label: str = "") -> InterventionItem:
     kind = "suppress" if float(factor) == 0 else "scale"
     return InterventionItem(kind, f"#{int(prototype_id)} {label}".strip(), (int(prototype_id),), float(factor))
+
+
+def inject_item(prototype_id: int, activation: float, label: str = "") -> InterventionItem:
+    """Prototype `prototype_id` active at every token with `activation`, whether the model selects it or not."""
+    return InterventionItem("inject", f"#{int(prototype_id)} {label}".strip(), (int(prototype_id),), float(activation))
 
 
 def group_item(kind: str, target: str, prototype_ids: list[int]) -> InterventionItem:
@@ -111,19 +125,25 @@ class Session:
         return replace(self, suppress_mode=mode)
 
     def interventions(self) -> Interventions:
-        """The items as one prism.Interventions: a suppression wins over any scaling of the same prototype; of
-        two scalings of one prototype the later one counts; factor 1 is no change."""
+        """The items as one prism.Interventions: a suppression wins over any scaling or injection of the same
+        prototype; of two scalings or injections of one prototype the later one counts; factor 1 is no change."""
         suppress: set[int] = set()
         scale: dict[int, float] = {}
+        inject: dict[int, float] = {}
         for item in self.items:
             for pid in item.prototype_ids:
-                if item.factor == 0:
+                if item.kind == "inject":
+                    inject[pid] = item.factor
+                    scale.pop(pid, None)
+                elif item.factor == 0:
                     suppress.add(pid)
                 else:
                     scale[pid] = item.factor
+                    inject.pop(pid, None)
         scale = {p: f for p, f in scale.items() if p not in suppress and f != 1.0}
+        inject = {p: a for p, a in inject.items() if p not in suppress}
         controller = self.controller if self.controller_on else None
-        return Interventions(suppress=frozenset(suppress), scale=scale, controller=controller,
+        return Interventions(suppress=frozenset(suppress), scale=scale, inject=inject, controller=controller,
                              suppress_mode=self.suppress_mode)
 
     def rows(self) -> list[list]:
@@ -150,6 +170,8 @@ class Session:
             parts.append(f"{len(iv.suppress)} suppressed ({how})")
         if iv.scale:
             parts.append(f"{len(iv.scale)} scaled")
+        if iv.inject:
+            parts.append(f"{len(iv.inject)} injected")
         if iv.controller is not None:
             parts.append(f"controller {self.controller_title()}")
         return ", ".join(parts)

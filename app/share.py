@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from app import controllers as app_controllers
 from app.core import MAX_SEED, MAX_TEMPERATURE, AppError, GenerationSettings, Studio
-from app.session import KINDS, MAX_SCALE, InterventionItem, Session
+from app.session import KINDS, MAX_INJECT, MAX_SCALE, InterventionItem, Session
 from prism.controllers import bank_fingerprint
 from prism.model import SUPPRESS_MODES
 
@@ -107,10 +107,13 @@ def parse_interventions(studio: Studio, data, base: Session, source: str = "link
         if not isinstance(ids, list) or not ids or len(ids) > n or \
                 not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in ids):
             raise LinkError(f"item {k}: prototype_ids must be a non-empty list of ids 0..{n - 1} of this model")
-        if len(set(ids)) != len(ids) or (kind in ("suppress", "scale") and len(ids) != 1):
+        if len(set(ids)) != len(ids) or (kind in ("suppress", "scale", "inject") and len(ids) != 1):
             raise LinkError(f"item {k}: prototype_ids repeat, or a single-prototype item names several")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or \
-                not 0.0 <= factor <= MAX_SCALE or (kind != "scale" and factor != 0):
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+            raise LinkError(f"item {k}: factor must be a number")
+        if kind == "inject" and not 0.0 < factor <= MAX_INJECT:
+            raise LinkError(f"item {k}: an injected activation must be in (0, {MAX_INJECT:g}]")
+        if kind != "inject" and (not 0.0 <= factor <= MAX_SCALE or (kind != "scale" and factor != 0)):
             raise LinkError(f"item {k}: factor must be a number in [0, {MAX_SCALE:g}] (0 unless the kind is scale)")
         items.append(InterventionItem(kind, target, tuple(ids), float(factor)))
     session = replace(base, items=tuple(items), suppress_mode=mode, controller=None, controller_on=False,

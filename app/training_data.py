@@ -104,6 +104,9 @@ class FirstStartBuild:
         self._ready: ReadOnly | None = None
         self._failed: str | None = None
         self._started_at: float | None = None
+        # called once with the finished cache, in a background thread (the app loads its index there, so the first
+        # click does not pay for it)
+        self.on_ready: list = []
 
     @classmethod
     def for_database(cls, model_folder: str | Path, db: Database | None) -> FirstStartBuild | None:
@@ -166,6 +169,7 @@ class FirstStartBuild:
                 return
             self._ready = self._open_if_built()
             if self._ready is not None:
+                threading.Thread(target=self._announce, args=(self._ready,), daemon=True).start()
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             lock = (self.path.with_name(self.path.name + ".lock")).open("a")
@@ -203,6 +207,15 @@ class FirstStartBuild:
                 logger.warning(self._failed)
             else:
                 logger.info("training-data cache ready: %s", self.path)
+        if self._ready is not None:
+            self._announce(self._ready)
+
+    def _announce(self, ready: ReadOnly) -> None:
+        for callback in self.on_ready:
+            try:
+                callback(ready)
+            except Exception:  # a warm-up that fails leaves the click to load (and report) it
+                logger.exception("preparing the training-data cache failed")
 
     def _wait_for_other(self) -> None:
         while True:
@@ -211,6 +224,7 @@ class FirstStartBuild:
             if ready is not None:
                 with self._lock:
                     self._ready = ready
+                self._announce(ready)
                 return
 
     def stop(self) -> None:

@@ -19,7 +19,7 @@ from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
 from app.limits import Limits, RequestLimiter
 from app.panels import ControllerPanel, InterventionsPanel
-from app.session import SUPPRESS_MODE_NAMES, Session
+from app.session import MAX_INJECT, SUPPRESS_MODE_NAMES, Session
 
 CSS = """
 .prism-evidence { border-left: 3px solid #ddd; padding: 4px 8px; margin: 6px 0; font-family: monospace; }
@@ -217,6 +217,11 @@ def _card_panel(c: Components) -> None:
         c["suppress_btn"] = gr.Button("Suppress", variant="stop", elem_id="suppress")
         c["factor"] = gr.Slider(0, 5, value=2, step=0.1, label="Scale factor", elem_id="factor")
         c["scale_btn"] = gr.Button("Scale", elem_id="scale")
+    with gr.Row():
+        c["inject_value"] = gr.Number(value=2.0, minimum=0, maximum=MAX_INJECT, step=0.5, label="Activation",
+                                      elem_id="inject-value", scale=2,
+                                      info="active at every token, even where the model does not select it")
+        c["inject_btn"] = gr.Button("Inject", elem_id="inject", scale=1)
     c["card_md"] = gr.Markdown(elem_id="card")
     c["evidence"] = gr.HTML(elem_id="evidence")
     with gr.Row():
@@ -334,6 +339,7 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
 
     c.suppress_btn.click(partial(iv.suppress, studio), [c.proto_id, c.session], ivs, api_name="suppress")
     c.scale_btn.click(partial(iv.scale, studio), [c.proto_id, c.factor, c.session], ivs, api_name="scale")
+    c.inject_btn.click(partial(iv.inject, studio), [c.proto_id, c.inject_value, c.session], ivs, api_name="inject")
     c.category_btn.click(partial(iv.suppress_category, studio), [c.iv_category, c.session], ivs,
                          api_name="suppress_category")
     c.iv_search_btn.click(partial(iv.suppress_search, studio), [c.iv_search, c.iv_mode, c.session], ivs,

@@ -14,7 +14,7 @@ from test_app_support import changing_prototype, shared_assets
 from app import handlers, interventions, plots, render
 from app.core import AppError, GenerationSettings, Studio, side_by_side
 from app.limits import Limits
-from app.session import Session, group_item, scale_item, suppress_item
+from app.session import MAX_INJECT, Session, group_item, inject_item, scale_item, suppress_item
 from prism import Interventions
 
 PROMPT = "the cat sat on the"
@@ -36,7 +36,7 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(1.0, abs(b))
 
 
-@pytest.mark.parametrize("interventions", [None, "suppress", "reroute", "scale"])
+@pytest.mark.parametrize("interventions", [None, "suppress", "reroute", "scale", "inject"])
 @torch.no_grad()
 def test_decomposition_sums_to_the_real_logit(studio, interventions):
     settings = GenerationSettings(PROMPT, max_new_tokens=6)
@@ -47,6 +47,8 @@ def test_decomposition_sums_to_the_real_logit(studio, interventions):
         interventions = Interventions(suppress={pid}, suppress_mode="reroute")
     elif interventions == "scale":
         interventions = Interventions(scale={0: 2.5, 5: 0.5})
+    elif interventions == "inject":
+        interventions = Interventions(inject={7: 1.5}, scale={0: 2.5})
     gen = studio.generate(settings, interventions)
     ids = gen.input_ids()  # (1, T)
     logits = studio.model(ids, interventions=interventions).logits[0]  # independent full forward, (T, V)
@@ -445,3 +447,57 @@ def test_contrast_of_the_explained_token_with_any_other_splits_their_logit_gap_e
         assert status.startswith("⚠️") and data is None
     assert handlers.contrast(studio, "original", 99, " cat", session)[1].startswith("⚠️")
     assert settings.max_new_tokens == 4
+
+
+@torch.no_grad()
+def test_injection_moves_every_logit_by_exactly_the_injected_slice(studio):
+    """The Inject button's handler, then a generation: at every position of the intervened text its logits minus
+    the same text's logits without interventions are (a - a_own) W p, with a_own the prototype's own activation
+    there (0 where the model does not select it); the token view lists the injected slice."""
+    pid, a = 5, 4.0
+    panel = interventions.inject(studio, pid, a, Session())
+    assert panel.iv_status.startswith("added: inject") and panel.session.interventions().inject == {pid: a}
+    *_, session, _ = list(handlers.generate(studio, PROMPT, 6, 0, 1, 0, panel.session))[-1]
+    gen = session.intervened
+    ids = gen.input_ids()
+    plain = studio.model(ids)
+    steered = studio.model(ids, interventions=gen.interventions).logits[0]
+    w_p = studio.model.lm_head.weight.float() @ studio.model.prototypes.weight[pid].float()  # (V,)
+    own = (plain.activations[0] * (plain.prototype_ids[0] == pid)).sum(-1)  # (T,)
+    expected = plain.logits[0] + (a - own)[:, None] * w_p[None, :]
+    torch.testing.assert_close(steered, expected, rtol=1e-4, atol=1e-4)
+    assert bool((own == 0).any())  # somewhere it was not active: the injection is what puts it there
+    for index in range(len(gen.steps)):
+        view = studio.token_view(gen, index)
+        mine = [s for s in view.chosen.slices if s.prototype_id == pid]
+        assert len(mine) == 1 and mine[0].activation == pytest.approx(a)
+        assert mine[0].contribution == pytest.approx(a * float(w_p[gen.steps[index].token_id]), rel=1e-4, abs=1e-4)
+
+
+def test_injection_items_and_their_limits(studio):
+    s = Session().add(scale_item(3, 2.0)).add(inject_item(3, 1.5)).add(inject_item(4, 2.0)).add(suppress_item(4))
+    iv = s.interventions()
+    assert iv.inject == {3: 1.5} and iv.scale == {} and iv.suppress == {4}  # the later of scale/inject; suppress wins
+    assert s.add(scale_item(3, 0.5)).interventions().scale == {3: 0.5} and not s.add(scale_item(3, 0.5)) \
+        .interventions().inject
+    assert "1 injected" in Session().add(inject_item(2, 1.0)).applied()
+    for bad in (0, -1, MAX_INJECT + 1, float("nan"), "x", None):
+        panel = interventions.inject(studio, 2, bad, Session())
+        assert panel.iv_status.startswith("⚠️") and panel.session.items == ()
+    assert interventions.inject(studio, 10_000, 1.0, Session()).iv_status.startswith("⚠️")
+
+
+def test_scaling_a_prototype_the_text_never_uses_says_so_and_offers_injection(studio):
+    gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=6))
+    used = {p for step in gen.steps for p in step.prototype_ids}
+    idle = next(p for p in range(studio.n_prototypes) if p not in used)
+    session = interventions.scale(studio, idle, 3.0, Session()).session
+    panel = list(handlers.generate(studio, PROMPT, 6, 0, 1, 0, session))[-1]
+    # scaling rescales what the model selects and never selects anything new, so the text stays the same
+    assert not any(idle in step.prototype_ids for step in panel.session.intervened.steps)
+    assert "never active in this text" in panel.gen_status and f"#{idle}" in panel.gen_status
+    assert "inject it" in panel.gen_status
+    busy = next(iter(used))
+    panel = list(handlers.generate(studio, PROMPT, 6, 0, 1, 0,
+                                   interventions.scale(studio, busy, 1.5, Session()).session))[-1]
+    assert "never active" not in panel.gen_status

@@ -19,7 +19,7 @@ from test_app_support import build_tiny_controller, changing_prototype, shared_a
 
 from app import export, handlers, interventions, share
 from app.core import AppError, GenerationSettings, Studio
-from app.session import Session, group_item, scale_item, suppress_item
+from app.session import Session, group_item, inject_item, scale_item, suppress_item
 
 PROMPT = "the cat sat on the"
 
@@ -58,7 +58,8 @@ def state(studio):
     settings = GenerationSettings(PROMPT, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11)
     pid = changing_prototype(studio, replace(settings, temperature=0.0), "reroute")
     session = (Session().add(suppress_item(pid, studio.label(pid)[0])).add(scale_item((pid + 1) % 24, 2.5))
-               .add(group_item("category", "a group", [(pid + 2) % 24, (pid + 3) % 24])).with_suppress_mode("zero"))
+               .add(group_item("category", "a group", [(pid + 2) % 24, (pid + 3) % 24]))
+               .add(inject_item((pid + 4) % 24, 1.5)).with_suppress_mode("zero"))
     return settings, session
 
 
@@ -103,6 +104,9 @@ def _valid(studio, state) -> dict:
     (lambda d: d["interventions"]["items"][0].update(prototype_ids=[24]), "ids 0..23"),
     (lambda d: d["interventions"]["items"][1].update(factor=99.0), "factor"),
     (lambda d: d["interventions"]["items"][0].update(kind="delete"), "kind"),
+    (lambda d: d["interventions"]["items"][3].update(factor=0.0), "injected activation"),
+    (lambda d: d["interventions"]["items"][3].update(factor=1e6), "injected activation"),
+    (lambda d: d["interventions"]["items"][3].update(prototype_ids=[1, 2]), "single-prototype"),
     (lambda d: d["interventions"]["items"][0].update(path="/etc/passwd"), "not {kind"),
     (lambda d: d["interventions"].update(suppress_mode="explode"), "suppress_mode"),
     (lambda d: d["interventions"].update(controller="../../secret"), "controller"),
@@ -141,9 +145,9 @@ def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
     path = shown(path)
     assert path and "⚠️" not in status
     data = json.loads(open(path).read())
-    assert data["format"] == share.INTERVENTIONS_FORMAT and len(data["items"]) == 3
+    assert data["format"] == share.INTERVENTIONS_FORMAT and len(data["items"]) == 4
     fresh, rows, status, mode = handlers.import_interventions(studio, path, Session())
-    assert "imported 3" in status and mode == "zero" and rows == session.rows()
+    assert "imported 4" in status and mode == "zero" and rows == session.rows()
     assert fresh.interventions() == session.interventions()
     assert texts(studio, settings, fresh) == texts(studio, settings, session)
     # refused files leave the session as it was

@@ -316,12 +316,12 @@ def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs
     def flush() -> None:
         for lo in range(0, len(chunk), args.batch_size):
             _process_windows(model, chunk[lo: lo + args.batch_size], state, files, pad_id)
+            progress("fit", state.n_sequences, args.max_sequences)  # per batch: a chunk can be the whole pass
         bar.update(len(chunk))
         state.chunks += 1
         hooks.kill("fit", state.chunks)
         state.docs_bytes = docs_file.stat().st_size
         state.save(work / "fit")
-        progress("fit", state.n_sequences, args.max_sequences)
 
     for position, doc in enumerate(documents):
         if position < state.docs_seen:
