@@ -8,7 +8,8 @@ evidence behind each prototype, suppress or scale prototypes and compare the tex
     python app.py --model runs/m --db out.duckdb --training-data-cache   # build its attribution cache meanwhile
 
 With the shipped default, the first start builds the training-data cache in the background (app/training_data.py;
-3,072 training sequences of 64 tokens, once per machine, at low priority); every other panel works meanwhile.
+3,072 training sequences of 64 tokens, about 11 min on two quiet cores, once per machine, at low priority); every
+other panel works meanwhile.
 
 On a Hugging Face Space (SPACE_ID set) the controller box takes only shipped controllers and uploads, and --host
 defaults to GRADIO_SERVER_NAME (the Space sets 0.0.0.0).
