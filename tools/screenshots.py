@@ -107,7 +107,8 @@ def take(url: str, out: Path, width: int = 1400, theme: str = "light") -> list[P
 
         page.get_by_role("tab", name="Prototypes").click()
         # SVG points, or a WebGL canvas for a bank over 4,000 prototypes (app/plots.py)
-        page.wait_for_selector("#prototype-map .js-plotly-plot .point, #prototype-map .js-plotly-plot canvas.gl-canvas-context")
+        page.wait_for_selector("#prototype-map .js-plotly-plot .point, "
+                               "#prototype-map .js-plotly-plot canvas.gl-canvas-context")
         page.wait_for_timeout(1500)
         written.append(_shot(page, out, "map", ["#prototype-map"]))
         browser.close()
