@@ -104,21 +104,60 @@ def _generation_json(gen: Generation | None) -> dict | None:
 class RunControl:
     """One browser session's Stop button (a mutable value in its own gr.State, never shared between sessions): Stop
     asks the running generation to end after its current token, and the generation itself writes the last
-    update. Cancelling the event instead lets updates already on their way land after the 'stopped' message."""
+    update. Cancelling the event instead lets updates already on their way land after the 'stopped' message.
+
+    The page numbers a run when Generate is clicked (announce, outside the queue), so a Stop pressed while the run
+    still waits for the model reaches it. Stop also sends how many tokens each column shows: the run keeps at most
+    one more, however far the model had run ahead of the page (tokens on their way are dropped, not shown)."""
 
     def __init__(self) -> None:
         self.run = 0
+        self.announced = False
         self.stop_run = -1
+        self.keep: dict[str, int] = {}
+        self.finished: tuple[int, list[str], str] | None = None
 
-    def start(self) -> int:
+    def announce(self) -> int:
+        """Generate was clicked: the run it queues gets its number now."""
         self.run += 1
+        self.announced = True
         return self.run
 
-    def stop(self) -> None:
+    def start(self) -> int:
+        """The generation begins: the announced run, or a new one (an API call announces nothing)."""
+        if not self.announced:
+            self.run += 1
+        self.announced = False
+        return self.run
+
+    def stop(self, shown: dict | None = None) -> None:
+        """Stop the current run; shown: {column: tokens the page shows} when the page says."""
+        self.keep = {name: max(0, int(n)) + 1 for name, n in (shown or {}).items()}
         self.stop_run = self.run
 
     def stopped(self, run: int) -> bool:
         return self.stop_run == run
+
+    def finish(self, run: int, streamed: list[str], column: str) -> None:
+        """Run `run` wrote its last update without being stopped: it streamed the columns `streamed`."""
+        self.finished = (run, list(streamed), column)
+
+    def late_stop(self, shown: dict | None) -> tuple[list[str], str] | None:
+        """Stop pressed: ask the current run to end (stop), and when that run has already finished (the page
+        lagged behind it), the columns it streamed and its column title, for the caller to cut once."""
+        self.stop(shown)
+        done = self.finished
+        if done is None or done[0] != self.run or not self.keep:
+            return None
+        self.finished = None  # a second Stop cuts nothing more
+        return done[1], done[2]
+
+    def kept(self, name: str, gen: Generation | None) -> Generation | None:
+        """gen cut to the tokens the stopped run may keep in column `name`."""
+        most = self.keep.get(name)
+        if gen is None or most is None or len(gen.steps) <= most:
+            return gen
+        return replace(gen, steps=gen.steps[:most])
 
 
 def _settings(studio: Studio, prompt, max_new_tokens, temperature, top_p, seed) -> GenerationSettings:
@@ -163,6 +202,8 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
         while active:
             if control is not None and control.stopped(run):
                 stopped = True
+                for name, _ in streams:
+                    current[name] = control.kept(name, current[name])
                 break
             for name, stream in list(active):
                 gen = next(stream, None)
@@ -181,12 +222,23 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     original, intervened = current["original"], current["intervened"]
     if original is None and not stopped:  # nothing streamed: the stored original is reused, no interventions
         original = session.original
+    yield _final_panel(studio, original, intervened, column, session, stopped)
+    if control is not None and not stopped:
+        # after the last update: Gradio asks for the next one only once it has stored and sent that one, so the
+        # session a late Stop reads is this run's whole text
+        control.finish(run, [name for name, _ in streams], column)
+
+
+def _final_panel(studio: Studio, original: Generation | None, intervened: Generation | None, column: str,
+                 session: Session, stopped: bool) -> GenerationPanel:
+    """A run's last update: both texts, their comparison, the status line and the session holding them."""
     diff = side_by_side(original, intervened) if original is not None and intervened is not None else None
     session = replace(session, original=original, intervened=intervened, selected=None)
-    yield GenerationPanel(_highlights(studio, original), _highlights(studio, intervened, diff.status if diff else None),
-                          _generation_status(studio, {"original": original, "intervened": intervened}, diff,
-                                             done=True, stopped=stopped), column, session,
-                          _result(original, intervened, diff))
+    marks = diff.status if diff else None
+    return GenerationPanel(_highlights(studio, original), _highlights(studio, intervened, marks),
+                           _generation_status(studio, {"original": original, "intervened": intervened}, diff,
+                                              done=True, stopped=stopped), column, session,
+                           _result(original, intervened, diff))
 
 
 def _result(original: Generation | None, intervened: Generation | None, diff=None) -> dict:
@@ -204,10 +256,43 @@ def _intervened_column(session: Session | None) -> str:
     return f"**With: {html.escape(applied)}** (same seed)" if applied else INTERVENED_TITLE
 
 
+# Stop's page-side half: how many tokens each column shows at the click (HighlightedText draws one .token each)
+STOP_JS = """(control, shown, session) => {
+    const count = (id) => document.querySelectorAll(`#${id} .textfield .token`).length;
+    return [control, JSON.stringify({original: count("original"), intervened: count("intervened")}), session];
+}"""
+
+
+def _shown_counts(shown: str | None) -> dict | None:
+    """STOP_JS's JSON {column: tokens on the page} as ints, or None when the page said nothing usable."""
+    if not shown or len(shown) > 200:
+        return None
+    try:
+        parsed = json.loads(shown)
+        return {k: parsed[k] for k in ("original", "intervened")
+                if isinstance(parsed.get(k), int) and not isinstance(parsed.get(k), bool)}
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
 @guarded
-def request_stop(control: RunControl) -> None:
-    """Stop: the running generation of this session ends after its current token (it writes the last update)."""
-    control.stop()
+def request_stop(studio: Studio, control: RunControl, shown: str | None = None, session: Session | None = None):
+    """Stop: the running generation of this session ends after its current token (it writes the last update) and
+    keeps at most one token more per column than `shown` (JSON {column: tokens on the page}, from STOP_JS).
+
+    A page under load can lag behind the server's stream: when Stop arrives after the run has already ended, the
+    text it streamed is cut here to what the page showed plus one, and this answer writes the columns (the status
+    says 'Stopped'). Otherwise every field is left as it is (GenerationPanel of gr.skip)."""
+    counts = _shown_counts(shown)
+    late = control.late_stop(counts)
+    if late is None or session is None:
+        return skipped(GenerationPanel)
+    names, column = late
+    cut = {name: control.kept(name, getattr(session, name)) if name in names else getattr(session, name)
+           for name in ("original", "intervened")}
+    if all(cut[name] is getattr(session, name) for name in names):
+        return skipped(GenerationPanel)  # the page already shows the whole text: nothing to stop
+    return _final_panel(studio, cut["original"], cut["intervened"], column, session, stopped=True)
 
 
 def _generation_status(studio: Studio, current: dict, diff=None, done: bool = False, stopped: bool = False) -> str:
@@ -317,9 +402,12 @@ def contrast(studio: Studio, run: str, index, other, session: Session):
 
 
 @guarded
-def clear_explanation():
+def clear_explanation(control: RunControl | None = None):
     """A new generation empties the explanation panel: it described a token of the previous text (ClearPanel). It
-    runs outside the queue, before the generation starts, so the old explanation is gone at once."""
+    runs outside the queue, before the generation starts, so the old explanation is gone at once; it also numbers
+    the run (RunControl.announce), so Stop reaches a run still waiting in the queue."""
+    if control is not None:
+        control.announce()
     empty = plots.empty_figure("click a token of the new text")
     return ClearPanel(empty, empty, "Click a token of the new text to explain it.", [], None, EMPTY_ATTRIBUTION,
                       None, "Generating…")
@@ -516,12 +604,12 @@ def restore_link(studio: Studio, session: Session, request: gr.Request = None):
 
 @guarded
 def generate_pending(studio: Studio, pending: dict | None, prompt, max_new_tokens, temperature, top_p, seed,
-                     session: Session, session_hash: str | None = None):
+                     session: Session, session_hash: str | None = None, control: RunControl | None = None):
     """Generate after a restored link; nothing (skips) otherwise."""
     if not pending:
         yield skipped(GenerationPanel)
         return
-    yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session,
+    yield from generate(studio, prompt, max_new_tokens, temperature, top_p, seed, session, control,
                         session_hash=session_hash)
 
 

@@ -141,6 +141,7 @@ def _generate_panel(c: Components, studio: Studio) -> None:
     with gr.Row():
         c["generate_btn"] = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
         c["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
+        c["stop_shown"] = gr.Textbox(visible=False)  # the tokens on the page when Stop was clicked (STOP_JS)
     c["gen_status"] = gr.Markdown(elem_id="gen-status")
     with gr.Row(equal_height=False):
         with gr.Column():
@@ -301,13 +302,16 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
         yield from h.generate(studio, prompt, max_new, temperature, top_p, seed, session, control,
                               session_hash=getattr(request, "session_hash", None))
 
-    def pending_for(pending, prompt, max_new, temperature, top_p, seed, session, request: gr.Request):
+    def pending_for(pending, prompt, max_new, temperature, top_p, seed, session, control, request: gr.Request):
         yield from h.generate_pending(studio, pending, prompt, max_new, temperature, top_p, seed, session,
-                                      session_hash=getattr(request, "session_hash", None))
+                                      session_hash=getattr(request, "session_hash", None), control=control)
 
-    c.generate_btn.click(h.clear_explanation, None, c.outputs(h.ClearPanel), api_name=False, queue=False).then(
-        generate_for, [*settings, c.session, c.control], c.outputs(h.GenerationPanel), api_name="generate", **model)
-    c.stop_btn.click(h.request_stop, [c.control], None, api_name=False, queue=False)
+    c.generate_btn.click(h.clear_explanation, [c.control], c.outputs(h.ClearPanel), api_name=False,
+                         queue=False).then(generate_for, [*settings, c.session, c.control],
+                                           c.outputs(h.GenerationPanel), api_name="generate", **model)
+    # Stop runs outside the queue; its page-side half (STOP_JS) sends how many tokens each column shows
+    c.stop_btn.click(partial(h.request_stop, studio), [c.control, c.stop_shown, c.session],
+                     c.outputs(h.GenerationPanel), js=h.STOP_JS, api_name=False, queue=False, show_progress="hidden")
     token = c.outputs(h.TokenPanel)
     c.decompose_btn.click(partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name="decompose",
                           **model).then(open_card, [c.proto_id], card, api_name=False)
@@ -388,7 +392,8 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
     c.import_iv_btn.upload(partial(h.import_interventions, studio), [c.import_iv_btn, c.session],
                            c.outputs(InterventionsPanel, "iv_suppress_mode"), api_name="import_interventions")
     demo.load(restore_for, [c.session], c.outputs(h.RestorePanel), api_name=False).then(
-        pending_for, [c.pending, *settings, c.session], c.outputs(h.GenerationPanel), api_name=False, **model).then(
+        pending_for, [c.pending, *settings, c.session, c.control], c.outputs(h.GenerationPanel), api_name=False,
+        **model).then(
         partial(h.select_pending, studio), [c.pending, c.session], c.outputs(h.PendingPanel), api_name=False,
         **model)
 

@@ -7,6 +7,8 @@ Screenshots go to test-artifacts/ (ignored by git). Needs `apt-get install -y ch
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from test_app_support import ROOT, changing_prototype, running_app, shared_assets
@@ -197,3 +199,45 @@ def test_semantic_search_order_count_sort_and_map_marks(browser, app):
     assert cell and cell["x"] + cell["width"] <= table["x"] + table["width"] + 1
     shot(page, "10-sorted-and-starred")
     page.close()
+
+
+@pytest.fixture
+def busy_cores():
+    """Two processes that keep both cores busy for the length of a test."""
+    spin = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    yield
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+# the new run is streaming and has written at least n tokens
+STREAMING = """(n) => {
+    const m = document.querySelector('#gen-status').innerText.match(/Generating… (\\d+) original/);
+    return m !== null && Number(m[1]) >= n;
+}"""
+COUNT_AND_STOP = """() => {
+    const n = document.querySelectorAll('#original .textfield .token').length;
+    document.querySelector('#stop').click();
+    return n;
+}"""
+
+
+def test_stop_leaves_at_most_one_more_token_under_load(browser, app, busy_cores):
+    page = new_page(browser, app["url"])
+    page.fill("#prompt textarea", PROMPT)
+    set_number(page, "max-new", 128)
+    for press in range(10):
+        page.click("#generate")
+        # Stop at a different point of each run, while the new text streams in
+        page.wait_for_function(STREAMING, arg=1 + 2 * press)
+        shown = page.evaluate(COUNT_AND_STOP)
+        # the run ends: stopped by the generation itself or, when the page lagged behind a run that had already
+        # finished, cut by Stop's own answer (a page that already showed the whole text has nothing to stop)
+        page.wait_for_function("!document.querySelector('#gen-status').innerText.includes('Generating')")
+        page.wait_for_timeout(300)  # nothing more arrives after the last update
+        final = page.locator("#original .textfield .token").count()
+        status = page.inner_text("#gen-status")
+        assert shown <= final <= shown + 1 or shown == final == 128, (press, shown, final, status)
+        assert f"Stopped after {final} original" in status or final == 128, (press, status)

@@ -228,9 +228,9 @@ def test_a_stopped_generation_keeps_its_tokens_and_is_not_reused(studio):
     stream = handlers.generate(studio, PROMPT, 8, 0, 1, 0, Session(), control)
     for _ in range(3):
         next(stream)
-    handlers.request_stop(other)  # another session's Stop does nothing here
+    handlers.request_stop(studio, other)  # another session's Stop does nothing here
     next(stream)
-    handlers.request_stop(control)  # the run ends after its current token and writes the last update itself
+    handlers.request_stop(studio, control)  # the run ends after its current token and writes the last update itself
     rest = list(stream)
     assert len(rest) == 1
     original, _, status, _, session, result = rest[0]
@@ -244,6 +244,72 @@ def test_a_stopped_generation_keeps_its_tokens_and_is_not_reused(studio):
     assert again.original is not session.original and again.original.finished and len(again.original.steps) == 8
     assert again.original.token_ids[:4] == session.original.token_ids
     assert again.original.token_ids == studio.generate(settings).token_ids
+
+
+def test_stop_keeps_at_most_one_token_more_than_the_page_shows(studio):
+    # the model ran ahead of the page: 6 tokens written, the page shows 2 when Stop is clicked -> 3 are kept
+    control = handlers.RunControl()
+    stream = handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control)
+    for _ in range(6):
+        next(stream)
+    handlers.request_stop(studio, control, '{"original": 2, "intervened": 0}')
+    *_, session, result = list(stream)[-1]
+    assert len(session.original.steps) == 3 and len(result["original"]["tokens"]) == 3
+    full = studio.generate(GenerationSettings(PROMPT, max_new_tokens=12))
+    assert session.original.token_ids == full.token_ids[:3]  # the first tokens, unchanged
+    # a page that sends nothing usable: the run still ends after its current token
+    for shown in ("not json", '{"original": "many"}', "[1, 2]"):
+        stream = handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control)
+        for _ in range(4):
+            next(stream)
+        handlers.request_stop(studio, control, shown)
+        *_, session, _ = list(stream)[-1]
+        assert len(session.original.steps) == 4
+
+
+def test_a_stop_that_arrives_after_the_run_cuts_the_text_to_what_the_page_showed(studio):
+    # the page lagged: the run finished all 12 tokens before the Stop sent at 5 shown tokens reached the server
+    control = handlers.RunControl()
+    handlers.clear_explanation(control)
+    *_, session, result = list(handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control))[-1]
+    assert len(session.original.steps) == 12 and len(result["original"]["tokens"]) == 12
+    original, intervened, status, _, cut, result = handlers.request_stop(studio, control,
+                                                                         '{"original": 5, "intervened": 0}', session)
+    assert len(cut.original.steps) == 6 and cut.original.token_ids == session.original.token_ids[:6]
+    assert len(original) == 6 and len(result["original"]["tokens"]) == 6 and "Stopped after 6 original" in status
+    assert cut.intervened is None and intervened == []
+    # a second Stop, or a Stop when the page already shows the whole text, changes nothing
+    again = handlers.request_stop(studio, control, '{"original": 2, "intervened": 0}', cut)
+    assert all(isinstance(field, dict) and field.get("__type__") == "update" and len(field) == 1
+               for field in again)
+    handlers.clear_explanation(control)
+    *_, session, _ = list(handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control))[-1]
+    whole = handlers.request_stop(studio, control, '{"original": 12, "intervened": 0}', session)
+    assert [f for f in whole if not (isinstance(f, dict) and f.get("__type__") == "update")] == []
+    # a run that was stopped while it ran is not cut again
+    control = handlers.RunControl()
+    stream = handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control)
+    for _ in range(4):
+        next(stream)
+    handlers.request_stop(studio, control, '{"original": 3, "intervened": 0}')
+    *_, session, _ = list(stream)[-1]
+    assert len(session.original.steps) == 4
+    later = handlers.request_stop(studio, control, '{"original": 1, "intervened": 0}', session)
+    assert all(isinstance(field, dict) and field.get("__type__") == "update" for field in later)
+
+
+def test_stop_reaches_a_run_still_waiting_in_the_queue(studio):
+    # Generate's click numbers the run at once (clear_explanation, outside the queue); a Stop pressed before the
+    # generation leaves the queue ends it before its first token
+    control = handlers.RunControl()
+    handlers.clear_explanation(control)
+    handlers.request_stop(studio, control, '{"original": 0, "intervened": 0}')
+    _, _, status, _, session, _ = list(handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control))[-1]
+    assert session.original is None and "Stopped before the first token" in status
+    # the next click is a new run that the old Stop does not reach
+    handlers.clear_explanation(control)
+    *_, session, _ = list(handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control))[-1]
+    assert session.original.finished and len(session.original.steps) == 12
 
 
 def test_bad_share_input_gets_a_message(studio):
