@@ -157,7 +157,7 @@ class RunControl:
         most = self.keep.get(name)
         if gen is None or most is None or len(gen.steps) <= most:
             return gen
-        return replace(gen, steps=gen.steps[:most])
+        return replace(gen, steps=gen.steps[:most], finished=False)  # a cut text is never reused as whole
 
 
 def _settings(studio: Studio, prompt, max_new_tokens, temperature, top_p, seed) -> GenerationSettings:

@@ -278,10 +278,16 @@ def test_a_stop_that_arrives_after_the_run_cuts_the_text_to_what_the_page_showed
     assert len(cut.original.steps) == 6 and cut.original.token_ids == session.original.token_ids[:6]
     assert len(original) == 6 and len(result["original"]["tokens"]) == 6 and "Stopped after 6 original" in status
     assert cut.intervened is None and intervened == []
-    # a second Stop, or a Stop when the page already shows the whole text, changes nothing
+    # a second Stop changes nothing
     again = handlers.request_stop(studio, control, '{"original": 2, "intervened": 0}', cut)
     assert all(isinstance(field, dict) and field.get("__type__") == "update" and len(field) == 1
                for field in again)
+    # the cut text is not whole: the next Generate with the same settings writes the text again, not reusing it
+    handlers.clear_explanation(control)
+    *_, regenerated, _ = list(handlers.generate(studio, PROMPT, 12, 0, 1, 0, cut, control))[-1]
+    assert not cut.original.finished and regenerated.original is not cut.original
+    assert regenerated.original.finished and regenerated.original.token_ids == session.original.token_ids
+    # nor does a Stop when the page already shows the whole text
     handlers.clear_explanation(control)
     *_, session, _ = list(handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control))[-1]
     whole = handlers.request_stop(studio, control, '{"original": 12, "intervened": 0}', session)
