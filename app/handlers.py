@@ -12,6 +12,10 @@ handler is also an HTTP endpoint (api_name in app/ui.py) that `gradio_client` ca
 
 Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
 the app keeps running.
+
+Length: about 690 lines, because the generation and its Stop protocol (RunControl, the late Stop that cuts a text
+the page had not shown yet) sit beside the handlers that read the session they write; the next split is to move
+generate, RunControl and request_stop into a module of their own.
 """
 
 from __future__ import annotations
