@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import html
+import signal
+import threading
 from functools import partial
 
 import gradio as gr
@@ -403,6 +405,14 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
                                                                            api_name=False)
 
 
+def stop_on_sigterm() -> None:
+    """`kill` (SIGTERM: a Space stopping, a service manager, a test) ends a blocking app as Ctrl-C does: Gradio
+    closes the server and the exit handlers run, so the training-data cache's child (app/training_data.py) stops
+    with its app, to resume on the next start, instead of living on alone. Only the main thread installs it."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, share: bool = False,
            concurrency: int = 2, block: bool = True, limits: Limits | None = None):
     """Queue (at most `concurrency` model events at once, 64 waiting), limit each session's requests (RequestLimiter
@@ -422,6 +432,8 @@ def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, sh
         return len(ids), same, group == "model"
 
     demo.queue(default_concurrency_limit=max(concurrency, 4), max_size=64)
+    if block:
+        stop_on_sigterm()
     return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
                        css=CSS, js=MAP_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
                        show_error=False, max_file_size=limits.max_upload_bytes,

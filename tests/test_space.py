@@ -5,7 +5,8 @@ fresh folder and a fresh virtual environment, then the app it starts must serve 
 What differs from the real build, and why: no Docker here, so the steps run on this machine's Python (3.11, the
 image's version); the user the image creates is not created; the PyTorch CPU index the image adds is dropped (this
 machine reaches only its own package index, whose torch is the CPU build); HOME stays this machine's, so the
-backbone's converted copy in ~/.cache/prism is reused instead of converted again.
+backbone's converted copy in this machine's cache folder is linked into the test's own cache folder instead of
+converted again (the training-data cache the app starts building goes there, never into this machine's).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from test_app_support import free_port, stop_process
+
+from prism.backbones import cache_dir
 
 pytestmark = pytest.mark.slow  # a fresh install (about 90 s) and the shipped model
 
@@ -116,8 +119,14 @@ def test_a_space_build_serves_the_page_and_generate_on_all_addresses(tmp_path):
                               timeout=1500)
         assert done.returncode == 0, done.stderr[-3000:]
     port = free_port()
+    # a cache folder of the test's own, so the training-data cache the app starts building never lands in this
+    # machine's; the converted backbone is linked in rather than converted again
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for backbone in cache_dir().glob("smollm2-*"):
+        (cache / backbone.name).symlink_to(backbone)
     space_env = {**env, **{k: v for k, v in steps["env"].items() if k != "HOME"}, "SPACE_ID": "prism/test-space",
-                 "GRADIO_SERVER_PORT": str(port), "HF_HUB_OFFLINE": "1"}
+                 "GRADIO_SERVER_PORT": str(port), "HF_HUB_OFFLINE": "1", "PRISM_CACHE": str(cache)}
     log = (tmp_path / "app.log").open("w")
     proc = subprocess.Popen(steps["cmd"], cwd=work, env=space_env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -145,3 +154,12 @@ def test_a_space_build_serves_the_page_and_generate_on_all_addresses(tmp_path):
         assert path_box and path_box[0]["props"]["visible"] is False
     finally:
         stop_process(proc, log)
+    # the app's training-data child stopped with it (app.ui.stop_on_sigterm); none is left writing
+    assert not [p for p in Path("/proc").glob("[0-9]*") if _cmdline_names(p, str(cache))]
+
+
+def _cmdline_names(process: Path, text: str) -> bool:
+    try:
+        return text in (process / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False

@@ -7,11 +7,17 @@ the same numbers; --attribution-holdout leaves out the documents training held o
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
-from test_app_support import build_tiny_attribution_db, shared_assets
+from test_app_support import build_tiny_attribution_db, free_port, shared_assets
 
 from app import training_data
 from app.attribution import attribute_token, attribution_panel
@@ -25,6 +31,7 @@ from prism.data import is_validation
 
 PROMPT = "the cat sat on the"
 # the by-hand cache's arguments (build_tiny_attribution_db): every window of 24 tokens, rank 16
+ROOT = Path(__file__).resolve().parents[1]
 RECIPE = dict(max_sequences=100_000, seq_len=24, holdout=0.0, rank=16, batch_size=4)
 
 
@@ -121,3 +128,65 @@ def test_holdout_leaves_out_the_validation_documents(assets, tmp_path):
     training = [d for d in docs if not is_validation(d, 0.5)]
     assert 0 < len(training) < len(docs)  # the fraction splits this corpus
     assert sorted(kept) == sorted(training)
+
+
+SERVE_AND_BUILD = """
+import sys
+from app import training_data
+from app.core import Studio
+from app.ui import build_demo, launch
+model, db, corpus, path, port = sys.argv[1:]
+studio = Studio.load(model, db)
+recipe = training_data.Recipe(corpus=corpus, max_sequences=100_000, seq_len=24, holdout=0.0, rank=16, batch_size=4)
+build = training_data.FirstStartBuild(model, recipe, path, extra=("--docs-per-chunk", "1"))
+training_data.attach(studio, build)
+build.start()
+print("child", build._proc.pid, flush=True)
+launch(build_demo(studio), host="127.0.0.1", port=int(port))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_kill_ends_the_app_and_its_cache_build(assets, tmp_path):
+    """SIGTERM to a serving app (what `kill`, a Space or a service manager sends) closes it as Ctrl-C does: the
+    training-data child it started stops with it instead of living on alone (app.ui.stop_on_sigterm)."""
+    port = free_port()
+    path = tmp_path / "cache" / "served.duckdb"
+    log = (tmp_path / "app.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_AND_BUILD, str(assets["model"]), str(assets["db"]),
+                             str(assets["corpus"]), str(path), str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=log, text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline().split()[1])
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "app.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "the app did not answer in 120 s"
+            time.sleep(0.5)
+        assert _alive(child), "the build ended before the app was stopped: nothing left to check"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.time() + 20
+        while _alive(child) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), "the training-data child outlived its app"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+        log.close()
