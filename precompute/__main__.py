@@ -1,5 +1,5 @@
-"""Build a precompute database: evidence, labels, search embeddings, the prototype map and intervention presets,
-in that order.
+"""Build a precompute database: evidence, its activation bands, labels, search embeddings, the prototype map and
+intervention presets, in that order.
 
     python -m precompute build --model runs/prism/final --corpus default --db out.duckdb
     python -m precompute build ... --jobs evidence,labels           # a subset (later jobs read earlier ones)
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from precompute import attribution, evidence
+from precompute import attribution, bands, evidence
 from precompute.inputs import Context, Inputs, rank_and_world, setup_distributed
 from precompute.jobs import REGISTRY
 from precompute.labels import LABELERS
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     b = cli.subparser(sub, "build", help="run the jobs into a database")
     evidence.add_arguments(b)
+    bands.add_sample_argument(b)
     b.add_argument("--jobs", default=",".join(DEFAULT_JOBS),
                    help=f"comma-separated subset of {', '.join(JOBS)} (attribution only when named)")
     attribution.add_arguments(b.add_argument_group("attribution"), shared=True)

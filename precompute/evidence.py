@@ -79,7 +79,10 @@ class EvidenceArgs:
 
 
 class RankState:
-    """Accumulators for one rank; arrays indexed [prototype] or [prototype, slot] (slot = rank among its top-N)."""
+    """Accumulators for one rank; arrays indexed [prototype] or [prototype, slot] (slot = rank among its top-N).
+    The top-N are ranked by SCORE, an entry field: the activation here (precompute/bands.py ranks by a priority)."""
+
+    SCORE = "act"
 
     ENTRY_FIELDS = {  # name -> (dtype, fill); one value per (prototype, slot)
         "act": (np.float32, -np.inf), "key": (np.int64, -1), "seq_start": (np.int32, 0), "seq_end": (np.int32, 0),
@@ -173,18 +176,22 @@ class RankState:
                 self.coact_sparse[key] = self.coact_sparse.get(key, 0) + c
         self.tokens += len(ids)
 
-    def merge_candidates(self, proto: np.ndarray, act: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Merge candidates into the top-N. Returns (proto, slot, candidate index) of the candidates that entered,
-        after moving the surviving old entries to their new slots."""
+    def score(self, proto: np.ndarray, act: np.ndarray, key: np.ndarray) -> np.ndarray:
+        """What candidates are ranked by (higher first; ties by key): their activation."""
+        return act
+
+    def merge_candidates(self, proto: np.ndarray, score: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Merge candidates into the top-N by score. Returns (proto, slot, candidate index) of the candidates that
+        entered, after moving the surviving old entries to their new slots."""
         K, N = self.K, self.N
-        threshold = self.entries["act"][:, -1]
+        threshold = self.entries[self.SCORE][:, -1]
         # A candidate tying the threshold can still enter on its key, so compare with >=.
-        keep = act >= threshold[proto]
-        proto, act, key = proto[keep], act[keep], key[keep]
+        keep = score >= threshold[proto]
+        proto, score, key = proto[keep], score[keep], key[keep]
         cand_idx = np.flatnonzero(keep)
         n_old = K * N
         all_p = np.concatenate([np.repeat(np.arange(K), N), proto])
-        all_a = np.concatenate([self.entries["act"].ravel(), act])
+        all_a = np.concatenate([self.entries[self.SCORE].ravel(), score])
         all_k = np.concatenate([self.entries["key"].ravel(), key])
         src = np.arange(len(all_p))
         # Sort by prototype, activation desc, key asc; empty slots (-inf) sort last within their prototype.
@@ -233,13 +240,15 @@ def process_windows(model: PrismForCausalLM, windows: list[Window], state: RankS
     doc_index = np.array([w.doc_index for w in windows], np.int64)
     seq_start = np.array([w.seq_start for w in windows], np.int64)
     key = (doc_index[bb] << POSITION_BITS) | (seq_start[bb] + tt)
-    p_new, slot_new, cand = state.merge_candidates(proto, acts[bb, tt, jj], key)
+    score = state.score(proto, acts[bb, tt, jj], key)
+    p_new, slot_new, cand = state.merge_candidates(proto, score, key)
     if len(cand) == 0:
         return
     b, t, p = bb[cand], tt[cand], p_new
     e = state.entries
     lengths = mask.sum(1)
     e["act"][p, slot_new] = acts[b, t, jj[cand]]
+    e[state.SCORE][p, slot_new] = score[cand]
     e["key"][p, slot_new] = key[cand]
     e["seq_start"][p, slot_new] = seq_start[b]
     e["seq_end"][p, slot_new] = seq_start[b] + lengths[b]
@@ -259,14 +268,15 @@ def process_windows(model: PrismForCausalLM, windows: list[Window], state: RankS
 
 
 def run_rank(model: PrismForCausalLM, tokenizer, documents, args: EvidenceArgs, work: Path, rank: int,
-             world: int, hooks: JobHooks = NO_HOOKS) -> RankState:
+             world: int, hooks: JobHooks = NO_HOOKS, state_class: type[RankState] = RankState,
+             name: str = NAME) -> RankState:
     """Process this rank's share of the documents, resuming from work/rank{rank}; returns the final state."""
     folder = work / f"rank{rank}"
-    state = RankState.load(folder, model.config.n_prototypes, args)
+    state = state_class.load(folder, model.config.n_prototypes, args)
     if (folder / "complete").exists():
         return state
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    bar = tqdm(desc=f"evidence (rank {rank})", unit="doc", initial=state.docs_seen, disable=rank != 0)
+    bar = tqdm(desc=f"{name} (rank {rank})", unit="doc", initial=state.docs_seen, disable=rank != 0)
     chunk: list[Window] = []
     chunk_docs = 0
     position = 0
@@ -324,6 +334,8 @@ def write_shard(state: RankState, tokenizer, work: Path, rank: int) -> None:
         "ctx_ids": list(e["ctx_ids"][p, s]), "ctx_act": list(e["ctx_act"][p, s].astype(np.float64)),
         "ctx_cs": list(e["ctx_cs"][p, s]), "ctx_ce": list(e["ctx_ce"][p, s]),
     })
+    if state.SCORE != "act":
+        entries = entries.append_column("score", pa.array(e[state.SCORE][p, s].astype(np.float64)))
     stats = pa.table({"prototype_id": np.arange(K, dtype=np.int32), "count": state.count, "sum": state.sum,
                       "max": state.max.astype(np.float64), "hist": list(state.hist)})
     if state.coact is not None:
@@ -345,22 +357,14 @@ def write_shard(state: RankState, tokenizer, work: Path, rank: int) -> None:
     (work / f"shard-rank{rank}.done").write_text(json.dumps({"tokens": state.tokens}))
 
 
-def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, tokenizer, args: EvidenceArgs,
-          world: int) -> dict:
-    """Combine every rank's shards into the job's tables, in one transaction."""
-    missing = [r for r in range(world) if not (work / f"shard-rank{r}.done").exists()]
-    if missing:
-        raise RuntimeError(f"cannot merge: ranks {missing} have not finished their shards in {work}")
-    files = {name: [str(work / f"{name}-rank{r}.parquet") for r in range(world)]
-             for name in ("entries", "stats", "coact", "docs")}
-    top = con.execute(f"""
-        SELECT * EXCLUDE (r) FROM (
-            SELECT *, row_number() OVER (PARTITION BY prototype_id ORDER BY activation DESC, key ASC) - 1 AS r
-            FROM read_parquet(?)) WHERE r < {int(args.top_n)}
-        ORDER BY prototype_id, r""", [files["entries"]]).fetch_df()
-    top["rank"] = top.groupby("prototype_id").cumcount().astype(np.int32)
-    docs = con.execute("SELECT * FROM read_parquet(?)", [files["docs"]]).fetch_df()
-    docs = docs[docs["doc_index"].isin(set(top["doc_index"]))].sort_values("doc_index")
+def referenced_documents(con: duckdb.DuckDBPyConnection, files: list[str], top):
+    """The shards' document rows that the kept entries point into, in corpus order."""
+    docs = con.execute("SELECT * FROM read_parquet(?)", [files]).fetch_df()
+    return docs[docs["doc_index"].isin(set(top["doc_index"]))].sort_values("doc_index")
+
+
+def evidence_rows(top, docs) -> dict:
+    """The evidence table's columns (also evidence_bands'), from kept entries with a rank and their documents."""
     text_of = dict(zip(docs["doc_index"], docs["text"]))
     doc_id_of = dict(zip(docs["doc_index"], docs["doc_id"]))
 
@@ -387,6 +391,44 @@ def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, t
         ctx_ce.append(ce.tolist())
     evidence.update(context_tokens=ctx_tokens, context_activations=ctx_acts, context_char_starts=ctx_cs,
                     context_char_ends=ctx_ce)
+    return evidence
+
+
+def documents_rows(docs) -> dict:
+    return {"doc_id": docs["doc_id"], "source": docs["source"], "url": docs["url"], "title": docs["title"],
+            "text": docs["text"], "sha256": docs["sha256"], "n_chars": docs["n_chars"], "n_tokens": docs["n_tokens"]}
+
+
+def write_tables(con: duckdb.DuckDBPyConnection, job: str, tables: dict) -> None:
+    """Replace the job's tables with these rows and mark it done, in one transaction."""
+    with transaction(con):
+        for name, data in tables.items():
+            frame = pa.table(dict(data)) if isinstance(data, dict) else pa.Table.from_pandas(data,
+                                                                                              preserve_index=False)
+            con.execute(f"DELETE FROM {name}")  # names from the schema module; a failed earlier merge leaves none
+            con.register("incoming", frame)
+            columns = ", ".join(frame.column_names)
+            con.execute(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM incoming")
+            con.unregister("incoming")
+        finish_job(con, job)
+
+
+def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, tokenizer, args: EvidenceArgs,
+          world: int) -> dict:
+    """Combine every rank's shards into the job's tables, in one transaction."""
+    missing = [r for r in range(world) if not (work / f"shard-rank{r}.done").exists()]
+    if missing:
+        raise RuntimeError(f"cannot merge: ranks {missing} have not finished their shards in {work}")
+    files = {name: [str(work / f"{name}-rank{r}.parquet") for r in range(world)]
+             for name in ("entries", "stats", "coact", "docs")}
+    top = con.execute(f"""
+        SELECT * EXCLUDE (r) FROM (
+            SELECT *, row_number() OVER (PARTITION BY prototype_id ORDER BY activation DESC, key ASC) - 1 AS r
+            FROM read_parquet(?)) WHERE r < {int(args.top_n)}
+        ORDER BY prototype_id, r""", [files["entries"]]).fetch_df()
+    top["rank"] = top.groupby("prototype_id").cumcount().astype(np.int32)
+    docs = referenced_documents(con, files["docs"], top)
+    evidence = evidence_rows(top, docs)
 
     stats = con.execute("SELECT prototype_id, sum(count) AS c, sum(sum) AS s, max(max) AS m "
                         "FROM read_parquet(?) GROUP BY prototype_id ORDER BY prototype_id",
@@ -419,21 +461,9 @@ def merge(con: duckdb.DuckDBPyConnection, work: Path, model: PrismForCausalLM, t
                    "count": nxt["count"].astype(np.int32)}
 
     signatures = logit_signatures(model, tokenizer, args.top_signature)
-    documents = {"doc_id": docs["doc_id"], "source": docs["source"], "url": docs["url"], "title": docs["title"],
-                 "text": docs["text"], "sha256": docs["sha256"], "n_chars": docs["n_chars"],
-                 "n_tokens": docs["n_tokens"]}
-    tables = {"documents": documents, "evidence": evidence, "prototype_stats": prototype_stats,
+    tables = {"documents": documents_rows(docs), "evidence": evidence, "prototype_stats": prototype_stats,
               "coactivations": coact, "next_tokens": next_tokens, "logit_signatures": signatures}
-    with transaction(con):
-        for name, data in tables.items():
-            frame = pa.table(dict(data)) if isinstance(data, dict) else pa.Table.from_pandas(data,
-                                                                                              preserve_index=False)
-            con.execute(f"DELETE FROM {name}")  # names from the schema module; a failed earlier merge leaves none
-            con.register("incoming", frame)
-            columns = ", ".join(frame.column_names)
-            con.execute(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM incoming")
-            con.unregister("incoming")
-        finish_job(con, NAME)
+    write_tables(con, NAME, tables)
     tokens = sum(json.loads((work / f"shard-rank{r}.done").read_text())["tokens"] for r in range(world))
     return {"tokens": tokens, "evidence_rows": len(top), "documents": len(docs)}
 
@@ -460,22 +490,25 @@ def logit_signatures(model: PrismForCausalLM, tokenizer, top: int) -> dict:
 # The job.
 
 
-def work_folder(db: Path) -> Path:
-    return db.with_name(db.name + ".evidence")
+def work_folder(db: Path, name: str = NAME) -> Path:
+    return db.with_name(f"{db.name}.{name}")
 
 
 def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: EvidenceArgs, job_args: dict,
-        overwrite: bool = False, hooks: JobHooks = NO_HOOKS) -> dict | None:
+        overwrite: bool = False, hooks: JobHooks = NO_HOOKS, name: str = NAME,
+        state_class: type[RankState] = RankState, merge_fn=None) -> dict | None:
     """Run the evidence job (this process's rank) and, on rank 0, merge into the database.
 
     `documents` is an iterable of precompute.corpus.Document in a deterministic order; job_args are stored in
-    the database (model and corpus identity plus EvidenceArgs)."""
+    the database (model and corpus identity plus EvidenceArgs). The bands job (precompute/bands.py) runs the same
+    pass under its own name, state class and merge."""
     db = Path(db)
+    merge_fn = merge_fn or merge
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    work = work_folder(db)
+    work = work_folder(db, name)
     if rank == 0:
         con = connect(db)
-        status = start_job(con, NAME, {**job_args, **asdict(args), "world_size": world}, overwrite=overwrite)
+        status = start_job(con, name, {**job_args, **asdict(args), "world_size": world}, overwrite=overwrite)
         if status == "new":
             shutil.rmtree(work, ignore_errors=True)
         con.close()
@@ -483,13 +516,13 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Evi
         status = None
     status = _broadcast(status)
     if status == "done":
-        logger.info("evidence already built with these arguments in %s", db)
+        logger.info("%s already built with these arguments in %s", name, db)
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
         return None
     work.mkdir(parents=True, exist_ok=True)
     model.eval()
-    state = run_rank(model, tokenizer, documents, args, work, rank, world, hooks)
+    state = run_rank(model, tokenizer, documents, args, work, rank, world, hooks, state_class, name)
     write_shard(state, tokenizer, work, rank)
     if dist.is_initialized():
         dist.barrier()
@@ -497,11 +530,11 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Evi
         return None
     con = connect(db)
     try:
-        summary = merge(con, work, model, tokenizer, args, world)
+        summary = merge_fn(con, work, model, tokenizer, args, world)
     finally:
         con.close()
     shutil.rmtree(work, ignore_errors=True)
-    logger.info("evidence: %s", summary)
+    logger.info("%s: %s", name, summary)
     return summary
 
 

@@ -2,6 +2,7 @@
 a name, an arguments dataclass and run(context).
 
     evidence     top activating contexts, statistics, co-activation, next tokens, logit signatures (every rank)
+    bands        a uniform sample of each prototype's active positions: contexts across its activation range
     attribution  the training-data attribution cache (opt-in: not in schema.DEFAULT_JOBS)
     labels       a category, a label and two held-out scores per prototype; siblings
     search       label and evidence embeddings for semantic search
@@ -16,10 +17,10 @@ Later jobs read what earlier ones wrote; each refuses to run before the jobs it 
 
 from __future__ import annotations
 
-from precompute import attribution, evidence, presets, search
+from precompute import attribution, bands, evidence, presets, search
 from precompute import map as proto_map
 from precompute.inputs import Job
 from precompute.labels import job as labels
 
-REGISTRY: dict[str, Job] = {job.name: job for job in (evidence.JOB, attribution.JOB, labels.JOB, search.JOB,
+REGISTRY: dict[str, Job] = {job.name: job for job in (evidence.JOB, bands.JOB, attribution.JOB, labels.JOB, search.JOB,
                                                        proto_map.JOB, presets.JOB)}

@@ -135,16 +135,37 @@ class PrototypeCard:
     coactive: list[dict] = field(default_factory=list)  # [{prototype_id, count, label, category}]
     siblings: list[dict] = field(default_factory=list)  # siblings()
     evidence: list[dict] = field(default_factory=list)  # evidence()
+    bands: dict = field(default_factory=dict)  # bands(): {"middle": rows, "low": rows, "sampled": n}
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def card(con: duckdb.DuckDBPyConnection, prototype_id, n_evidence: int = 6) -> PrototypeCard:
-    """A prototype's whole card: prototype_card, its top n_evidence evidence rows and its siblings."""
+def card(con: duckdb.DuckDBPyConnection, prototype_id, n_evidence: int = 6, n_band: int = 0) -> PrototypeCard:
+    """A prototype's whole card: prototype_card, its top n_evidence evidence rows, its siblings and (n_band > 0)
+    n_band contexts from the middle and from the low end of its activation range (bands())."""
     fields = prototype_card(con, prototype_id)
     return PrototypeCard(**fields, evidence=evidence(con, fields["prototype_id"], limit=n_evidence),
-                         siblings=siblings(con, fields["prototype_id"]))
+                         siblings=siblings(con, fields["prototype_id"]),
+                         bands=bands(con, fields["prototype_id"], n_band) if n_band > 0 else {})
+
+
+def bands(con: duckdb.DuckDBPyConnection, prototype_id, n: int = 6) -> dict:
+    """Contexts from across the activation range, from the bands job's uniform sample of the prototype's active
+    positions (precompute/bands.py), which is ranked by activation: "middle", the n rows around the sample's median;
+    "low", its n lowest; "sampled", how many rows the sample holds (0: the database has no bands)."""
+    pid = _check_id(con, prototype_id)
+    if not _has_table(con, "evidence_bands"):
+        return {"middle": [], "low": [], "sampled": 0}
+    sampled = con.execute("SELECT count(*) FROM evidence_bands WHERE prototype_id = ?", [pid]).fetchone()[0]
+    if sampled == 0:
+        return {"middle": [], "low": [], "sampled": 0}
+    low_start = max(sampled - n, 0)
+    middle_start = max(min((sampled - n) // 2, low_start - n), 0)  # centred on the median, clear of the low rows
+    middle = evidence(con, pid, limit=min(n, low_start - middle_start) if low_start > middle_start else 0,
+                      offset=middle_start, table="evidence_bands") if low_start > 0 else []
+    low = evidence(con, pid, limit=n, offset=low_start, table="evidence_bands")
+    return {"middle": middle, "low": low, "sampled": int(sampled)}
 
 
 def siblings(con: duckdb.DuckDBPyConnection, prototype_id) -> list[dict]:
@@ -174,14 +195,21 @@ def siblings(con: duckdb.DuckDBPyConnection, prototype_id) -> list[dict]:
     return out
 
 
-def evidence(con: duckdb.DuckDBPyConnection, prototype_id, limit: int = 10, offset: int = 0) -> list[dict]:
-    """The prototype's top evidence rows, each with its context as segments and as HTML with the token marked."""
+EVIDENCE_TABLES = {"evidence": "documents", "evidence_bands": "band_documents"}  # rows -> their documents
+
+
+def evidence(con: duckdb.DuckDBPyConnection, prototype_id, limit: int = 10, offset: int = 0,
+             table: str = "evidence") -> list[dict]:
+    """The prototype's top evidence rows (table "evidence_bands": its sampled rows, highest activation first), each
+    with its context as segments and as HTML with the token marked."""
     pid = _check_id(con, prototype_id)
-    rows = _rows(con, """
+    if table not in EVIDENCE_TABLES:
+        raise ValueError(f"no evidence table {table!r}: one of {', '.join(EVIDENCE_TABLES)}")
+    rows = _rows(con, f"""
         SELECT e.rank, e.doc_id, e.token_position, e.char_start, e.char_end, e.activation, e.token,
                e.context_tokens, e.context_activations, e.context_char_starts, e.context_char_ends,
                d.source, d.url, d.title, d.text, d.sha256
-        FROM evidence e JOIN documents d USING (doc_id)
+        FROM {table} e JOIN {EVIDENCE_TABLES[table]} d USING (doc_id)
         WHERE e.prototype_id = ? ORDER BY e.rank LIMIT ? OFFSET ?""", [pid, int(limit), int(offset)])
     for row in rows:
         text, error = row.pop("text"), None

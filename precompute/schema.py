@@ -15,6 +15,7 @@ SCHEMA_VERSION = 3  # 2: labels.sibling_score and label_siblings (issue 14); 3: 
 # job -> the tables it owns (cleared when the job is re-run with --overwrite)
 JOB_TABLES: dict[str, tuple[str, ...]] = {
     "evidence": ("documents", "evidence", "prototype_stats", "coactivations", "next_tokens", "logit_signatures"),
+    "bands": ("band_documents", "evidence_bands"),
     "labels": ("labels", "label_siblings"),
     "search": ("embeddings",),
     "map": ("prototype_map",),
@@ -36,6 +37,29 @@ DOCUMENT_COLUMNS = """
             sha256 VARCHAR NOT NULL,
             n_chars INTEGER NOT NULL,
             n_tokens INTEGER NOT NULL
+        """
+
+# The columns of both evidence tables (evidence, evidence_bands): one row per (prototype, kept token position). The
+# model's input sequence was the document's tokens [seq_token_start, seq_token_end); token_position indexes them.
+EVIDENCE_COLUMNS = """
+            prototype_id INTEGER NOT NULL,
+            rank INTEGER NOT NULL,            -- 0 = highest activation
+            doc_id VARCHAR NOT NULL,
+            token_position INTEGER NOT NULL,
+            seq_token_start INTEGER NOT NULL,
+            seq_token_end INTEGER NOT NULL,
+            char_start INTEGER NOT NULL,      -- the token's characters in the document text
+            char_end INTEGER NOT NULL,
+            activation DOUBLE NOT NULL,
+            token_id INTEGER NOT NULL,
+            token VARCHAR NOT NULL,
+            next_token_id INTEGER,            -- the document's next token (NULL at the end of the document)
+            context_start INTEGER NOT NULL,   -- token position of the first context token
+            context_tokens VARCHAR[] NOT NULL,      -- token texts; empty in pointer-only databases
+            context_activations DOUBLE[] NOT NULL,  -- this prototype's activation at each context token
+            context_char_starts INTEGER[] NOT NULL, -- each context token's characters in the document text
+            context_char_ends INTEGER[] NOT NULL,
+            PRIMARY KEY (prototype_id, rank)
         """
 
 DDL = {
@@ -68,27 +92,12 @@ DDL = {
     "documents": f"CREATE TABLE IF NOT EXISTS documents ({DOCUMENT_COLUMNS})",
     # Top-N activating token positions per prototype. The model's input sequence was the document's tokens
     # [seq_token_start, seq_token_end); token_position indexes the document's tokens.
-    "evidence": """
-        CREATE TABLE IF NOT EXISTS evidence (
-            prototype_id INTEGER NOT NULL,
-            rank INTEGER NOT NULL,            -- 0 = highest activation
-            doc_id VARCHAR NOT NULL,
-            token_position INTEGER NOT NULL,
-            seq_token_start INTEGER NOT NULL,
-            seq_token_end INTEGER NOT NULL,
-            char_start INTEGER NOT NULL,      -- the token's characters in the document text
-            char_end INTEGER NOT NULL,
-            activation DOUBLE NOT NULL,
-            token_id INTEGER NOT NULL,
-            token VARCHAR NOT NULL,
-            next_token_id INTEGER,            -- the document's next token (NULL at the end of the document)
-            context_start INTEGER NOT NULL,   -- token position of the first context token
-            context_tokens VARCHAR[] NOT NULL,      -- token texts; empty in pointer-only databases
-            context_activations DOUBLE[] NOT NULL,  -- this prototype's activation at each context token
-            context_char_starts INTEGER[] NOT NULL, -- each context token's characters in the document text
-            context_char_ends INTEGER[] NOT NULL,
-            PRIMARY KEY (prototype_id, rank)
-        )""",
+    "evidence": f"CREATE TABLE IF NOT EXISTS evidence ({EVIDENCE_COLUMNS})",
+    # A uniform sample of each prototype's active positions (precompute/bands.py), for contexts from across the
+    # activation range: the evidence table's columns (rank: 0 = the highest activation among the sampled rows),
+    # its documents in band_documents.
+    "band_documents": f"CREATE TABLE IF NOT EXISTS band_documents ({DOCUMENT_COLUMNS})",
+    "evidence_bands": f"CREATE TABLE IF NOT EXISTS evidence_bands ({EVIDENCE_COLUMNS})",
     "prototype_stats": """
         CREATE TABLE IF NOT EXISTS prototype_stats (
             prototype_id INTEGER PRIMARY KEY,

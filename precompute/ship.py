@@ -197,6 +197,8 @@ def strip_text(db: Path, out: Path) -> dict:
             con.execute("UPDATE documents SET text = NULL")
             con.execute("UPDATE attribution_documents SET text = NULL")
             con.execute("UPDATE evidence SET token = '', context_tokens = []")
+            con.execute("UPDATE band_documents SET text = NULL")
+            con.execute("UPDATE evidence_bands SET token = '', context_tokens = []")
             con.execute("INSERT OR REPLACE INTO meta VALUES ('pointer_only', 'true')")
         con.execute("CHECKPOINT")
         counts = {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("documents", "evidence")}

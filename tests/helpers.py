@@ -98,3 +98,38 @@ def tiny_backbone_dir(folder: Path, kind: str = "llama", seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def saved_random_prism(root: Path, n_prototypes: int, top_k: int, seed: int = 0) -> str:
+    """A PRISM model over a tiny backbone with Gaussian prototypes, saved with its tokenizer in root/model (the
+    precompute jobs' --model); returns the folder."""
+    from prism.backbones import load_backbone, load_tokenizer
+
+    backbone_dir = tiny_backbone_dir(root / "bb")
+    model = PrismForCausalLM.from_backbone(load_backbone(str(backbone_dir)),
+                                           PrismConfig(n_prototypes=n_prototypes, top_k=top_k))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.prototypes.weight.normal_()
+    model.save_pretrained(root / "model")
+    load_tokenizer(str(backbone_dir)).save_pretrained(root / "model")
+    return str(root / "model")
+
+
+def kill_then_resume(argv: list[str], work: Path, after_chunk: int = 3) -> None:
+    """`python -m precompute` with argv, SIGKILLed after chunk `after_chunk` (the kill-after-chunk hook), then the
+    same command again in this process: the first must die with chunks checkpointed in `work` (the job's work
+    folder), the second resume and finish, leaving no work folder."""
+    import os
+    import subprocess
+    import sys
+
+    from precompute.__main__ import main as precompute_main
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "precompute", *argv, "--hook", f"kill-after-chunk={after_chunk}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (work / "rank0").exists()  # the chunks before the kill were checkpointed
+    precompute_main(argv)
+    assert not work.exists()

@@ -11,7 +11,7 @@ import duckdb
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_backbone_dir, write_corpus
+from helpers import kill_then_resume, saved_random_prism, write_corpus
 
 from app.render import segments_html
 from precompute.__main__ import main as precompute_main
@@ -20,8 +20,8 @@ from precompute.evidence import run as run_evidence
 from precompute.inputs import encode_sequence
 from precompute.query import UnknownPrototype, evidence, open_db, prototype_card, prototype_table
 from precompute.runs import JobArgsMismatch
-from prism import PrismConfig, PrismForCausalLM
-from prism.backbones import load_backbone, load_tokenizer
+from prism import PrismForCausalLM
+from prism.backbones import load_tokenizer
 from prism.corpora import iter_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,15 +32,9 @@ TABLES = ("documents", "evidence", "prototype_stats", "coactivations", "next_tok
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("evidence")
-    backbone_dir = tiny_backbone_dir(root / "bb")
-    model = PrismForCausalLM.from_backbone(load_backbone(str(backbone_dir)), PrismConfig(n_prototypes=K, top_k=TOP_K))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.prototypes.weight.normal_()
-    model.save_pretrained(root / "model")
-    load_tokenizer(str(backbone_dir)).save_pretrained(root / "model")
+    model = saved_random_prism(root, K, TOP_K, seed=0)
     corpus = write_corpus(root / "corpus", n_docs=30)
-    return {"root": root, "model": str(root / "model"), "corpus": str(corpus)}
+    return {"root": root, "model": model, "corpus": str(corpus)}
 
 
 def _argv(setup, db, *extra):
@@ -122,14 +116,8 @@ def test_evidence_is_exact_and_matches_brute_force(setup, built):
 @pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
     db = tmp_path / "killed.duckdb"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db), "--hook", "kill-after-chunk=3"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    assert (db.parent / (db.name + ".evidence") / "rank0").exists()  # chunks 1-2 were checkpointed
-    precompute_main(_argv(setup, db))
+    kill_then_resume(_argv(setup, db), db.parent / (db.name + ".evidence"))
     assert _dump(db) == _dump(built)
-    assert not (db.parent / (db.name + ".evidence")).exists()
 
 
 def test_rerun_is_idempotent_and_other_arguments_are_refused(setup, built, tmp_path, capsys):
@@ -213,7 +201,7 @@ def test_full_build_fills_every_column_a_card_needs(setup, tmp_path):
     db = tmp_path / "full.duckdb"
     argv = [a for a in _argv(setup, db) if a not in ("--jobs", "evidence")]
     summary = precompute_main(argv)
-    assert set(summary) == {"evidence", "labels", "search", "map", "presets"}
+    assert set(summary) == {"evidence", "bands", "labels", "search", "map", "presets"}
     con = open_db(db)
     rows = con.execute("SELECT prototype_id, label, category, label_score, x, y FROM prototypes "
                        "WHERE activation_count > 0").fetchall()
@@ -223,7 +211,7 @@ def test_full_build_fills_every_column_a_card_needs(setup, tmp_path):
     hits = search.semantic_search(con, card["label"], k=3)
     assert hits and hits[0]["prototype_id"] == rows[0][0]
     con.close()
-    again = {"evidence": None, "labels": 0, "search": 0, "map": 0, "presets": summary["presets"]}
+    again = {"evidence": None, "bands": None, "labels": 0, "search": 0, "map": 0, "presets": summary["presets"]}
     assert precompute_main(argv) == again  # all done: no-op
 
 
