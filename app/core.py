@@ -356,6 +356,30 @@ class Studio:
         return explain.contrast_tokens(self.model, self.state(gen, index), gen.steps[index].token_id, token,
                                        gen.interventions), note
 
+    @torch.no_grad()
+    def signature_ends(self, prototype_id, n: int = 10) -> tuple[list[dict], list[dict]]:
+        """A prototype's logit signature W p at both ends: the n tokens it raises most and the n it lowers most
+        ([{token_id, token, value}], strongest first), from the model itself."""
+        pid = self.check_prototype(prototype_id)
+        values = self.model.lm_head.weight @ self.model.prototypes.weight[pid]
+        ends = []
+        for largest in (True, False):
+            top = values.topk(min(n, values.shape[0]), largest=largest)
+            ends.append([{"token_id": int(t), "token": self.decode(int(t)), "value": float(v)}
+                         for v, t in zip(top.values, top.indices)])
+        return ends[0], ends[1]
+
+    @torch.no_grad()
+    def activations_on(self, text, prototype_id) -> tuple[list[str], list[float]]:
+        """"Try it on your text": the text's tokens and the prototype's activation at each (0 where the model does
+        not select it), from one forward pass over the text as a prompt."""
+        pid = self.check_prototype(prototype_id)
+        text = limits.text("the text", text, self.limits.max_prompt_chars)
+        ids, _, _ = self.encode_prompt(GenerationSettings(text, max_new_tokens=1))
+        out = self.model(torch.tensor([ids]))
+        acts = ((out.prototype_ids[0] == pid) * out.activations[0]).sum(-1)  # (T,)
+        return [self.decode(i) for i in ids], [float(a) for a in acts]
+
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)])
 

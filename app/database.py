@@ -85,11 +85,12 @@ class Database:
 
     # -- what the pages read ----------------------------------------------------------------------------------
 
-    def card(self, prototype_id, n_evidence: int = 6) -> PrototypeCard:
-        """A prototype card (label, scores, stats, histogram, signature, co-active, siblings) and its evidence."""
+    def card(self, prototype_id, n_evidence: int = 6, n_band: int = 0) -> PrototypeCard:
+        """A prototype card (label, scores, stats, histogram, signature, co-active, siblings), its top evidence and
+        n_band contexts from the middle and the low end of its activation range."""
         pid = check_prototype(prototype_id, self.n_prototypes)
         try:
-            return self.run(query.card, pid, n_evidence=n_evidence)
+            return self.run(query.card, pid, n_evidence=n_evidence, n_band=n_band)
         except UnknownPrototype as err:
             raise AppError(str(err)) from None
 

@@ -5,10 +5,10 @@ Every handler takes the shared, read-only Studio first (bound with functools.par
 gr.State value) where it needs one, and returns a new Session instead of changing a shared value. Every public
 handler is also an HTTP endpoint (api_name in app/ui.py) that `gradio_client` can call:
 
-    generate, decompose, prototype, search, map, attribute, link, export_generation, export_interventions,
+    generate, decompose, search, map, attribute, link, export_generation, export_interventions,
     import_interventions, export_table, export_evidence (here) and suppress, scale, suppress_category,
     suppress_search, preset, suppress_mode, remove_intervention, clear_interventions, interventions, controller
-    (app/interventions.py)
+    (app/interventions.py); prototype, try_prototype (app/cards.py)
 
 Problems the user can cause (empty prompt, unknown id, no database, ...) come back as a message in a status line;
 the app keeps running.
@@ -33,6 +33,7 @@ from app import controllers as app_controllers
 from app import export, limits, plots, render, share
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.attribution import attribution_panel
+from app.cards import prototype, try_text  # noqa: F401 (handlers of the card, app/cards.py)
 from app.core import (
     AppError,
     Generation,
@@ -43,8 +44,8 @@ from app.core import (
 )
 from app.generation import never_active
 from app.messages import guarded, ok, problem
-from app.panels import (
-    CardPanel,
+from app.panels import (  # CardPanel: app/ui.py reads the card's outputs here
+    CardPanel,  # noqa: F401
     ClearPanel,
     GenerationPanel,
     PendingPanel,
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 RUNS = ("original", "intervened")
 CHANGED = "changed by intervention"
-NEWLINE = "⏎"  # how a line break shows inside a token chip: every token stays one clickable chip
+NEWLINE = "⏎\n"  # a line break inside a token: a mark to click, then the break itself (the page keeps it)
 # "relevance": a semantic search by similarity, a label search exact matches first; without a search, activations
 ORDERINGS = {"relevance": None, "activation count": "activation_count", "label score": "label_score",
              "prototype id": "prototype_id"}
@@ -82,7 +83,7 @@ def _highlights(studio: Studio, gen: Generation | None, diff_status: list[str] |
         label = studio.top_category(step)
         if diff_status is not None and diff_status[i] in ("first change", "changed"):
             label = CHANGED
-        out.append((step.text.replace("\r\n", NEWLINE).replace("\n", NEWLINE), label))
+        out.append((step.text.replace("\r\n", "\n").replace("\n", NEWLINE), label))
     return out
 
 
@@ -314,8 +315,7 @@ def _generation_status(studio: Studio, current: dict, diff=None, done: bool = Fa
     if not done and not stopped:  # while streaming the status is short: each update resends it whole
         return "  \n".join(parts)
     if current["intervened"] is None:
-        parts.append("Click a token to see why the model wrote it. Suppress or scale prototypes on the right, then "
-                     "generate again to compare.")
+        parts.append("Click a token to see why; change prototypes on the right, then generate again to compare.")
     elif diff is not None:
         if diff.first_change is None:
             parts.append("The interventions did not change this continuation.")
@@ -433,28 +433,6 @@ def refresh_attribution(studio: Studio, token: dict | None, run: str, index, ses
 
 # ----------------------------------------------------------------------------------------------------------------
 # Handlers: prototype cards, search, the map.
-
-
-@guarded
-def prototype(studio: Studio, prototype_id: float | str | None):
-    """A prototype's card (CardPanel: markdown, signature plot, histogram plot, evidence html, card json)."""
-    try:
-        if prototype_id is None or str(prototype_id).strip() == "":
-            empty = plots.empty_figure("no prototype selected")
-            return CardPanel("Pick a prototype: click a token, a table row or a point on the map.", empty, empty, "",
-                             None)
-        card = studio.need_db().card(prototype_id)
-    except AppError as err:
-        empty = plots.empty_figure("no card")
-        return CardPanel(problem(err), empty, empty, "", None)
-    md = render.card_markdown(card)
-    evidence = "".join(render.evidence_html(e) for e in card.evidence) or \
-        "<p>No evidence rows for this prototype.</p>"
-    data = card.as_dict()
-    data["evidence"] = [{k: e[k] for k in ("rank", "doc_id", "activation", "token", "url", "title", "source")}
-                        for e in card.evidence]
-    return CardPanel(md, plots.signature_figure(card), plots.histogram_figure(card), evidence,
-                     json.loads(json.dumps(data, default=float)))
 
 
 def _score(x) -> float | None:
@@ -636,6 +614,15 @@ def _export(make, *args):
     except AppError as err:
         return None, problem(err)
     return path, ok(f"ready: {Path(path).name} (download below)")
+
+
+def link_stale(link: str | None):
+    """The state changed after a link was made: clear it (and say so) rather than leave a link to an older state on
+    screen. No link shown: nothing changes. Returns (link box, share status)."""
+    if not link:
+        return gr.update(), gr.update()
+    return gr.update(value="", visible=False), ("The link was for an earlier state and has been cleared; press "
+                                                "Copy link again for this one.")
 
 
 def _shown_if_set(value):

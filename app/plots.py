@@ -21,9 +21,10 @@ CATEGORY_COLORS = dict(zip(CATEGORIES, _PALETTE, strict=True))
 CATEGORY_COLORS[UNLABELLED] = "#c7c7c7"
 CATEGORY_COLORS[NO_PROTOTYPE] = "#eeeeee"
 RESIDUAL_COLOR = "#7f7f7f"
-# White plot panels in both the light and the dark theme: the text stays dark on white, so it reads in either.
-_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), height=360, paper_bgcolor="white",
-               plot_bgcolor="white", font=dict(color="#222222"))
+# Transparent panels, so a chart sits on the page's own background in the light and the dark theme; dark text and
+# grid lines here, which the page's CSS lightens in the dark theme (app/ui.py CSS).
+_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=50, b=10), height=360,
+               paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)", font=dict(color="#222222"))
 
 
 def category_color(category: str | None) -> str:
@@ -49,6 +50,7 @@ def decomposition_figure(d: TokenDecomposition, carried=None) -> go.Figure:
     fig = go.Figure(go.Waterfall(
         orientation="h", y=names, x=values, measure=["relative"] * (len(values) - 1) + ["total"], hovertext=hover,
         hoverinfo="text", text=[f"{v:+.3f}" for v in values[:-1]] + [f"{d.total:.4f}"], textposition="outside",
+        customdata=[-1] + [s.prototype_id for s in slices] + [-1],  # a click on a bar opens its card (CLICK_JS)
         cliponaxis=False, connector=dict(line=dict(color="#bbbbbb")),
         increasing=dict(marker=dict(color="#59a14f")), decreasing=dict(marker=dict(color="#e15759")),
         totals=dict(marker=dict(color="#4e79a7"))))
@@ -95,7 +97,7 @@ def alternatives_figure(view: TokenView) -> go.Figure:
             match = [s for s in a.slices if s.prototype_id == pid]
             values.append(match[0].contribution if match else 0.0)
             label = label or (match[0].label if match else "")
-        fig.add_bar(y=tokens, x=values, orientation="h", name=slice_name(pid, label),
+        fig.add_bar(y=tokens, x=values, orientation="h", name=slice_name(pid, label), customdata=[pid] * len(tokens),
                     marker_color=_PALETTE[n % len(_PALETTE)], hoverinfo="text",
                     hovertext=[f"{t}: #{pid} {label} {v:+.4f}" for t, v in zip(tokens, values)])
     fig.add_scatter(y=tokens, x=[a.logit for a in view.alternatives], mode="markers+text", name="logit (= the sum)",
@@ -114,12 +116,23 @@ def alternatives_figure(view: TokenView) -> go.Figure:
     return fig
 
 
-def signature_figure(card: PrototypeCard, n: int = 12) -> go.Figure:
-    rows = card.signature[:n]
-    fig = go.Figure(go.Bar(x=[r["value"] for r in rows], y=[repr(r["token"]) for r in rows], orientation="h",
-                           marker_color=category_color(card.category)))
-    fig.update_layout(title=dict(text="logit signature W·p (top tokens)", font=dict(size=14)),
-                      yaxis=dict(autorange="reversed"), **{**_LAYOUT, "height": 300})
+def signature_figure(card: PrototypeCard, raises: list[dict] | None = None, lowers: list[dict] | None = None,
+                     n: int = 10) -> go.Figure:
+    """The logit signature W·p at both ends: the tokens the prototype raises most (its category's colour) and, when
+    given, those it lowers most (red), each bar the logit it adds per unit of activation."""
+    up = (raises if raises is not None else card.signature)[:n]
+    down = list(reversed((lowers or [])[:n]))  # the most lowered at the bottom
+    rows = up + down
+    fig = go.Figure(go.Bar(x=[r["value"] for r in rows], y=list(range(len(rows))), orientation="h",
+                           marker_color=[category_color(card.category)] * len(up) + ["#d62728"] * len(down),
+                           hovertext=[f"{r['token']!r}: {r['value']:+.4f} per unit of activation" for r in rows],
+                           hoverinfo="text"))
+    title = "logit signature W·p: tokens it raises" + (" (top) and lowers (red)" if down else "")
+    # positions, not token texts, on the axis: two tokens can print alike (byte pieces print as '�')
+    fig.update_layout(title=dict(text=title, font=dict(size=14)),
+                      yaxis=dict(autorange="reversed", automargin=True, tickmode="array",
+                                 tickvals=list(range(len(rows))), ticktext=[f"{r['token']!r}" for r in rows]),
+                      xaxis=dict(zeroline=True), **{**_LAYOUT, "height": 120 + 20 * len(rows)})
     return fig
 
 
@@ -197,13 +210,18 @@ def contrast_figure(c, token_a: str, token_b: str, labels: dict[int, str], top: 
     shown = list(zip(c.prototype_ids, c.contributions))[:top]
     rest = sum(c.contributions[top:])
     names = ["residual (W·r + b)"] + [slice_name(p, labels.get(p, "")) for p, _ in shown]
+    whole = ["residual (W·r + b)"] + [f"#{p} {labels.get(p, '')}".strip() for p, _ in shown]  # hover: whole labels
     values = [c.residual] + [v for _, v in shown]
+    ids = [-1] + [p for p, _ in shown]
     if len(c.contributions) > top:
         names.append(f"{len(c.contributions) - top} other prototype(s)")
+        whole.append(names[-1])
         values.append(rest)
+        ids.append(-1)
     fig = go.Figure(go.Bar(y=names, x=values, orientation="h", text=[f"{v:+.3f}" for v in values],
                            marker_color=["#7f7f7f"] + ["#2ca02c" if v > 0 else "#d62728" for v in values[1:]],
-                           hovertext=[f"{n}: {v:+.4f}" for n, v in zip(names, values)]))
+                           customdata=ids, hoverinfo="text",
+                           hovertext=[f"{n}: {v:+.4f}" for n, v in zip(whole, values)]))
     fig.update_layout(title=dict(text=f"why {token_a!r} and not {token_b!r}: gap {c.margin:+.3f} = these parts "
                                       "(green favours the first)", font=dict(size=14)),
                       yaxis=dict(autorange="reversed", automargin=True),

@@ -51,6 +51,16 @@ def segments_html(segments: list[dict]) -> str:
     return "".join(out)
 
 
+SOURCE_NAMES = {"wiki": "Wikipedia", "news": "news (Lee corpus)", "sotu": "State of the Union address",
+                "mail": "mail (SpamAssassin, ham)", "code": "package source and docs", "moby": "Moby-Dick",
+                "kjv": "King James Bible", "fineweb": "FineWeb", "local": "local file"}
+
+
+def source_name(source: str | None) -> str:
+    """A corpus source as people read it ("kjv" -> "King James Bible"); an unknown one as it is."""
+    return SOURCE_NAMES.get(source or "", source or "")
+
+
 def evidence_html(row: dict) -> str:
     """One evidence row of a prototype's card: the context (or why its text could not be read) and its source."""
     text = html.escape(row["error"]) if row.get("error") else segments_html(row["segments"])
@@ -61,7 +71,47 @@ def evidence_html(row: dict) -> str:
             source = f'<a href="{url}" target="_blank" rel="noopener noreferrer">{source or url}</a>'
     return (f'<div class="prism-evidence"><div class="prism-evidence-text">…{text}…</div>'
             f'<div class="prism-evidence-source">activation {row["activation"]:.3f} · {source} '
-            f'({html.escape(row.get("source") or "")}, {html.escape(row.get("doc_id") or "")})</div></div>')
+            f'({html.escape(source_name(row.get("source")))}, {html.escape(row.get("doc_id") or "")})</div></div>')
+
+
+def _band_range(rows: list[dict]) -> str:
+    acts = [r["activation"] for r in rows]
+    return f"{min(acts):.3f}–{max(acts):.3f}" if acts else ""
+
+
+def banded_evidence_html(card) -> str:
+    """The card's contexts in three bands of the activation range: the top ones (the evidence job's), then the
+    middle and the low end of a uniform sample of every position where the prototype is active (the bands job's);
+    each band says its activation range, so a reader sees what the prototype does when it fires weakly too."""
+    sections = []
+    bands = card.bands or {}
+    for title, rows, note in (
+            ("Top", card.evidence, "its strongest activations in the corpus"),
+            ("Middle", bands.get("middle", []), "around the median of a uniform sample of its "
+                                                f"{bands.get('sampled', 0)} active positions"),
+            ("Low", bands.get("low", []), "the weakest of that sample")):
+        if not rows:
+            continue
+        sections.append(f'<div class="prism-band"><b>{title}</b> · activation {_band_range(rows)} · '
+                        f'<small>{html.escape(note)}</small></div>' + "".join(evidence_html(r) for r in rows))
+    if not sections:
+        return "<p>No evidence rows for this prototype.</p>"
+    if not bands.get("sampled"):
+        sections.append("<p><small>This database has no activation bands (only the top contexts): build them "
+                        "with <code>python -m precompute build ... --jobs bands</code>.</small></p>")
+    return "".join(sections)
+
+
+def activation_text_html(tokens: list[str], activations: list[float]) -> str:
+    """A text as escaped HTML, each token shaded by one prototype's activation (its value on hover), spaces and
+    line breaks kept."""
+    peak = max([a for a in activations if a > 0], default=1.0)
+    out = []
+    for token, a in zip(tokens, activations):
+        alpha = 0.0 if a <= 0 else 0.15 + 0.85 * min(1.0, a / peak)
+        out.append(f'<span class="prism-try-token" style="background: rgba(255, 140, 0, {alpha:.2f});" '
+                   f'title="{a:.4f}" data-activation="{a:.6f}">{html.escape(token)}</span>')
+    return f'<div class="prism-try" style="white-space: pre-wrap; line-height: 1.8;">{"".join(out)}</div>'
 
 
 def shown_score(x) -> str:
@@ -92,14 +142,20 @@ def card_markdown(card) -> str:
              "prototype out, against random other prototypes' contexts or against its siblings' only.</small>")
     if card.siblings:
         md += "\n\n**Siblings** (same tokens; what separates them):\n" + "\n".join(
-            f"- #{s['prototype_id']} {html.escape(s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
+            f"- {proto_link(s['prototype_id'], s['label'] or '(no label)')} (overlap {s['overlap']:.2f}"
             f"{', sibling score ' + shown_score(s['sibling_score']) if s.get('sibling_score') is not None else ''})"
             + (f": {html.escape(s['separation'])}" if s.get("separation") else "")
             for s in card.siblings[:6])
     if card.coactive:
         md += "\n\nOften active with: " + ", ".join(
-            f"#{c['prototype_id']} {html.escape(c['label'] or '')}" for c in card.coactive[:5])
+            proto_link(c["prototype_id"], c["label"] or "") for c in card.coactive[:5])
     return md
+
+
+def proto_link(prototype_id: int, label: str) -> str:
+    """A link that opens another prototype's card in place (the page's CLICK_JS catches #prototype-N links)."""
+    text = f"#{int(prototype_id)} {label}".strip().replace("[", "(").replace("]", ")")
+    return f"[{html.escape(text)}](#prototype-{int(prototype_id)})"
 
 
 def carried_line(c) -> str:
@@ -146,11 +202,31 @@ def token_summary(view, why) -> str:
                      f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")
     elif d.removed_ids:
         lines.append(f"Switched off here: {', '.join(f'#{p}' for p in d.removed_ids)} (their slices are removed).")
+    text = "  \n".join(lines)
     if why is not None:
-        lines.append(f"**Why it changed:** {html.escape(why.message)}.")
-        if why.effects:
-            lines.append("Effect of each prototype whose activation changed on logit(new) − logit(reference) "
-                         "(↪ = brought in by re-routing): " + ", ".join(
-                             f"{'↪' if e['role'] == 'replacement' else ''}#{e['prototype_id']} "
-                             f"{html.escape(e['label'] or '')} {e['effect']:+.3f}" for e in why.effects[:8]))
-    return "  \n".join(lines)
+        text += f"  \n**Why it changed:** {html.escape(why.message)}." + why_table(why)
+    return text
+
+
+def why_table(why, rows: int = 8) -> str:
+    """The prototypes whose activation changed at the token, as a table to read aloud: who, what happened to it,
+    and its effect on logit(new) - logit(reference); a last row gives the sum of all of them, which is the whole gap
+    the activation changes make (more than `rows`: the rest summed in one row)."""
+    if not why.effects:
+        return ""
+    gap = f"logit({why.new_token!r}) − logit({why.reference_token!r})"
+    out = ["", "", f"| prototype | role | effect on {md_cell(gap)} |", "|---|---|---:|"]
+    for e in why.effects[:rows]:
+        role = "took a suppressed slot (re-routing)" if e["role"] == "replacement" else "intervened on"
+        out.append(f"| #{e['prototype_id']} {md_cell(e['label'] or '')} | {role} | {e['effect']:+.3f} |")
+    rest = why.effects[rows:]
+    if rest:
+        out.append(f"| {len(rest)} more | | {sum(e['effect'] for e in rest):+.3f} |")
+    out.append(f"| **all {len(why.effects)} together** | | **{sum(e['effect'] for e in why.effects):+.3f}** |")
+    return "\n".join(out)
+
+
+def md_cell(text: str) -> str:
+    """Text safe inside a Markdown table cell: HTML escaped, pipes and line breaks neutralised."""
+    return html.escape(text).replace("|", "\\|").replace("\n", " ")
+

@@ -26,33 +26,88 @@ from app.session import MAX_INJECT, SUPPRESS_MODE_NAMES, Session
 CSS = """
 .prism-evidence { border-left: 3px solid #ddd; padding: 4px 8px; margin: 6px 0; font-family: monospace; }
 .prism-evidence-source { opacity: 0.75; font-size: 0.85em; font-family: sans-serif; }
+.prism-band { margin: 10px 0 2px 0; }
+/* the two texts as text: each token a clickable span with its own spaces and line breaks, not a row of pills;
+   font-size 0 around the token's text hides the blanks between Gradio's elements */
+#original .textfield, #intervened .textfield { display: block; word-break: normal; overflow-wrap: anywhere;
+  line-height: 1.7; font-size: 0; }
+#original .token-container, #intervened .token-container { display: inline; font-size: 0; }
+#original .token, #intervened .token { display: inline-block; padding: 0; margin: 0; font-size: 0;
+  max-width: 100%; vertical-align: top; }
+#original .token .text, #intervened .token .text { font-size: var(--text-md); white-space: pre-wrap;
+  background-color: inherit; border-radius: 2px; }
+#original .line-break, #intervened .line-break { display: block; }
+#prism-legend { font-size: 11px; line-height: 1.5; opacity: 0.85; }
+#prism-legend .chip { display: inline-block; width: 9px; height: 9px; border-radius: 2px; margin: 0 2px 0 6px;
+  vertical-align: -1px; }
+/* charts follow the dark theme: transparent panels, light text and grid lines */
+.dark .js-plotly-plot .main-svg text { fill: #e5e7eb !important; }
+.dark .js-plotly-plot .gridlayer path, .dark .js-plotly-plot .zerolinelayer path { stroke: #4b5563 !important; }
+.dark .js-plotly-plot .shapelayer path { stroke: #e5e7eb !important; }
+.dark .js-plotly-plot .scatterlayer .point { fill: #e5e7eb !important; }
 """
 
-# A click on a map point writes its prototype id into the prototype id box and presses Open card.
-MAP_JS = """
+# A click on a map point or on a prototype's bar in the decomposition, alternatives or contrast chart, or on a
+# #prototype-N link in a card, writes the prototype id (a point's customdata; -1 for the residual and sums) into the
+# prototype id box and presses Open card.
+CLICK_JS = """
 () => {
+  const charts = ['#prototype-map', '#decomposition', '#alternatives', '#contrast-plot'];
+  const openCard = (id) => {
+    if (!Number.isInteger(id) || id < 0) return;
+    const box = document.querySelector('#proto-id input');
+    box.value = String(id);
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+    box.dispatchEvent(new Event('change', {bubbles: true}));
+    setTimeout(() => document.querySelector('#open-card').click(), 100);
+  };
   const hook = () => {
-    const plot = document.querySelector('#prototype-map .js-plotly-plot');
-    if (!plot || plot.__prismHooked || !plot.on) return;
-    plot.__prismHooked = true;
-    plot.on('plotly_click', (ev) => {
-      const point = ev && ev.points && ev.points[0];
-      if (!point || point.customdata === undefined) return;
-      const box = document.querySelector('#proto-id input');
-      box.value = String(point.customdata);
-      box.dispatchEvent(new Event('input', {bubbles: true}));
-      box.dispatchEvent(new Event('change', {bubbles: true}));
-      setTimeout(() => document.querySelector('#open-card').click(), 100);
-    });
+    for (const chart of charts) {
+      const plot = document.querySelector(chart + ' .js-plotly-plot');
+      if (!plot || plot.__prismHooked || !plot.on) continue;
+      plot.__prismHooked = true;
+      plot.on('plotly_click', (ev) => {
+        const point = ev && ev.points && ev.points[0];
+        openCard(point ? Number(point.customdata) : NaN);
+      });
+    }
   };
   new MutationObserver(hook).observe(document.body, {childList: true, subtree: true});
+  // a #prototype-N link (a card's siblings and co-active prototypes) opens that card in place
+  document.addEventListener('click', (ev) => {
+    const link = ev.target.closest && ev.target.closest('a[href^="#prototype-"]');
+    if (!link) return;
+    ev.preventDefault();
+    openCard(Number(link.getAttribute('href').slice('#prototype-'.length)));
+  });
 }
 """
 
 INTRO = """# PRISM studio
-Every token this model writes has a logit that splits **exactly** into a residual plus one slice per active
-prototype — a learned direction anchored to real training text. Generate, click a token to see its slices and the
-evidence behind them, then switch a prototype off and see what the model writes instead."""
+Every token's score splits **exactly** into a residual plus one slice per active prototype. Generate, click a token
+to see why, then switch a prototype off or up and compare."""
+
+GLOSSARY_TERMS = (
+    ("logit", "the model's raw score for a token; the highest is written (greedy); softmax turns the scores into "
+              "**probabilities** (p)"),
+    ("prototype", "a learned direction in the model's hidden state, named by a **label** and shown in real "
+                  "training text (its **evidence**)"),
+    ("activation", "how strongly a prototype is present at a token (0: not at all); a few are active at each token"),
+    ("logit signature", "W·p: what a prototype adds to every token's logit per unit of activation"),
+    ("slice", "one prototype's part of a logit: its activation times its signature for that token"),
+    ("residual", "the part of the hidden state no prototype explains, and its part of the logit (W·r + b); shown "
+                 "beside the slices, so you see how much they explain"),
+    ("label score", "how well a label tells the prototype's own contexts from others' (0.5: chance, 1: perfect)"),
+    ("category", "the kind of thing a label names; a token's colour is its top prototype's category"),
+    ("suppress", "switch a prototype off: **re-route** gives its slot to the nearest others (the text stays "
+                 "fluent), **remove** drops its slice (exact subtraction)"),
+    ("scale / inject", "multiply an active prototype's activation / make a prototype active where it is not"),
+    ("contrast", "why token A and not B: their logit gap split into the residual's part and each prototype's"),
+    ("training data", "the training sequences that most raised this token's logit (influence, from the "
+                      "attribution cache)"),
+)
+GLOSSARY = "| term | what it means here |\n|---|---|\n" + "\n".join(
+    f"| **{term}** | {meaning} |" for term, meaning in GLOSSARY_TERMS)
 
 
 class Components(dict):
@@ -80,7 +135,9 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
         c["session"] = gr.State(Session(), time_to_live=lim.session_ttl_s)
         c["control"] = gr.State(h.RunControl(), time_to_live=lim.session_ttl_s)
         c["pending"] = gr.State(None, time_to_live=lim.session_ttl_s)
-        gr.Markdown(INTRO + _database_note(studio))
+        gr.Markdown(INTRO + _database_note(studio), elem_id="intro")
+        with gr.Accordion("What the words mean", open=False, elem_id="glossary"):
+            gr.Markdown(GLOSSARY)
         with gr.Row():
             with gr.Column(scale=3):
                 with gr.Tabs() as c["tabs"]:
@@ -123,37 +180,45 @@ def _database_note(studio: Studio) -> str:
     return note
 
 
+def _legend(color_map: dict[str, str]) -> str:
+    """One small line under the texts: what a token's colour says (its top prototype's category)."""
+    chips = "".join(f"<span class='chip' style='background:{html.escape(colour)}'></span>{html.escape(name)}"
+                    for name, colour in color_map.items())
+    return f"<div>Colour: the token's top prototype's category{chips}</div>"
+
+
 def _generate_panel(c: Components, studio: Studio) -> None:
     """The prompt and settings, the two texts side by side, links and exports, one token's explanation."""
     lim = studio.limits
     # the legend: the categories the browser's filter offers, then what colours only tokens
     color_map = {k: plots.category_color(k) for k in [*studio.filters(), NO_PROTOTYPE] if k != NEVER_ACTIVE}
     color_map[h.CHANGED] = "#ff2d2d"
-    with gr.Row():
-        c["prompt"] = gr.Textbox(label="Prompt", lines=3, scale=3, elem_id="prompt",
+    with gr.Row(equal_height=True):
+        c["prompt"] = gr.Textbox(label="Prompt", lines=2, scale=4, elem_id="prompt",
                                  value="The river flows into the", max_length=lim.max_prompt_chars,
                                  info=f"at most {lim.max_prompt_tokens} tokens")
-        with gr.Column(scale=2):
-            c["max_new"] = gr.Slider(1, lim.max_new_tokens, value=min(24, lim.max_new_tokens), step=1,
-                                     label="Max new tokens", elem_id="max-new")
-            c["temperature"] = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)",
-                                         elem_id="temperature")
-            c["top_p"] = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p")
-            c["seed"] = gr.Number(value=0, step=1, label="Seed", elem_id="seed")
-    with gr.Row():
-        c["generate_btn"] = gr.Button("Generate", variant="primary", elem_id="generate", scale=4)
-        c["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="stop", scale=1)
-        c["stop_shown"] = gr.Textbox(visible=False)  # the tokens on the page when Stop was clicked (STOP_JS)
+        with gr.Column(scale=1, min_width=120):
+            c["generate_btn"] = gr.Button("Generate", variant="primary", elem_id="generate")
+            c["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="stop")
+            c["stop_shown"] = gr.Textbox(visible=False)  # the tokens on the page when Stop was clicked (STOP_JS)
+    with gr.Row(elem_id="settings"):
+        c["max_new"] = gr.Slider(1, lim.max_new_tokens, value=min(24, lim.max_new_tokens), step=1,
+                                 label="Max new tokens", elem_id="max-new", min_width=140)
+        c["temperature"] = gr.Slider(0, 2, value=0, step=0.05, label="Temperature", elem_id="temperature",
+                                     info=None, min_width=140)
+        c["top_p"] = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p", elem_id="top-p", min_width=140)
+        c["seed"] = gr.Number(value=0, step=1, label="Seed", elem_id="seed", min_width=90)
     c["gen_status"] = gr.Markdown(elem_id="gen-status")
     with gr.Row(equal_height=False):
-        with gr.Column():
+        with gr.Column(min_width=160):
             gr.Markdown("**Original** (no interventions)", elem_id="original-title")
-            c["original"] = gr.HighlightedText(label="Original", color_map=color_map, show_legend=True,
+            c["original"] = gr.HighlightedText(label="Original", color_map=color_map, show_legend=False,
                                                show_label=False, show_inline_category=False, elem_id="original")
-        with gr.Column():
+        with gr.Column(min_width=160):
             c["intervened_title"] = gr.Markdown(h.INTERVENED_TITLE, elem_id="intervened-title")
             c["intervened"] = gr.HighlightedText(label="Intervened", color_map=color_map, show_legend=False,
                                                  show_label=False, show_inline_category=False, elem_id="intervened")
+    gr.HTML(_legend(color_map), elem_id="prism-legend")
     with gr.Row(elem_id="share-row"):
         c["link_btn"] = gr.Button("Copy link", size="sm", elem_id="copy-link")
         c["export_gen_btn"] = gr.Button("Export generation (JSON)", size="sm", elem_id="export-gen")
@@ -227,6 +292,14 @@ def _card_panel(c: Components) -> None:
         c["inject_btn"] = gr.Button("Inject", elem_id="inject", scale=1)
     c["card_md"] = gr.Markdown(elem_id="card")
     c["evidence"] = gr.HTML(elem_id="evidence")
+    with gr.Accordion("Try it on your text", open=False, elem_id="try-panel"):
+        with gr.Row():
+            c["try_box"] = gr.Textbox(label="A text", placeholder="type or paste a text; see this prototype's "
+                                      "activation on every token", lines=2, scale=4, elem_id="try-text",
+                                      max_length=4000)
+            c["try_btn"] = gr.Button("Run", scale=1, elem_id="try-run")
+        c["try_html"] = gr.HTML(elem_id="try-result")
+        c["try_json"] = gr.JSON(visible=False)
     with gr.Row():
         c["export_ev_btn"] = gr.Button("Export this prototype's evidence (CSV)", size="sm", elem_id="export-evidence")
     c["evidence_file"] = gr.File(label="Download", interactive=False, elem_id="evidence-file", visible=False)
@@ -322,6 +395,9 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
             partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name=False, **model).then(
             open_card, [c.proto_id], card, api_name=False)
     c.open_btn.click(open_card, [c.proto_id], card, api_name="prototype")
+    tried = c.outputs("try_html", "try_json")
+    c.try_btn.click(partial(h.try_text, studio), [c.proto_id, c.try_box], tried, api_name="try_prototype", **model)
+    c.try_box.submit(partial(h.try_text, studio), [c.proto_id, c.try_box], tried, api_name=False, **model)
     compared = c.outputs("contrast_plot", "contrast_md", "contrast_json")
     contrast_inputs = [c.run, c.index, c.contrast_box, c.session]
     c.contrast_btn.click(partial(h.contrast, studio), contrast_inputs, compared, api_name="contrast", **model)
@@ -382,6 +458,10 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
         None, [c.link_box], None, api_name=False,
         js="(url) => { if (url && navigator.clipboard) navigator.clipboard.writeText(url).catch(() => {}); }").then(
         h._shown_if_set, [c.link_box], [c.link_box], api_name=False)
+    # a link on screen stops being one to this state when the interventions or the settings change: it is cleared
+    for changed in (c.iv_table, *settings):
+        changed.change(h.link_stale, [c.link_box], c.outputs("link_box", "share_status"), api_name=False,
+                       queue=False, show_progress="hidden")
     for button, fn, inputs, target, status, name, extra in (
             (c.export_gen_btn, h.export_generation, [c.session], "export_file", "share_status", "export_generation",
              model),
@@ -435,7 +515,7 @@ def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, sh
     if block:
         stop_on_sigterm()
     return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       css=CSS, js=MAP_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
+                       css=CSS, js=CLICK_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
                        show_error=False, max_file_size=limits.max_upload_bytes,
                        state_session_capacity=limits.max_sessions,
                        app_kwargs={"middleware": [Middleware(RequestLimiter, limits=limits, pending=pending,

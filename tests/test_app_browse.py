@@ -134,7 +134,9 @@ def test_the_card_explains_both_scores_and_lists_the_siblings(studio):
                                               [pid]).fetchone()[0])
     assert f"sibling score {score:.3f}" in md and "against its siblings' only" in md
     for s in siblings[:6]:
-        assert f"- #{s['prototype_id']} " in md and f"overlap {s['overlap']:.2f}" in md
+        # each sibling is a link that opens its card in place (the page's CLICK_JS follows #prototype-N)
+        assert f"- [#{s['prototype_id']} " in md and f"](#prototype-{s['prototype_id']}) (overlap " \
+            f"{s['overlap']:.2f}" in md
     assert [s["prototype_id"] for s in data["siblings"]] == [s["prototype_id"] for s in siblings]
 
 
@@ -153,3 +155,58 @@ def test_the_card_shows_where_a_prototype_fires_and_what_it_pushes_apart(studio)
             assert f" · {html.escape(topic)}" in md
         assert f"detection {d_rand:.3f} vs random" in md
         assert (f"{d_sib:.3f} vs siblings" if d_sib is not None else "n/a vs siblings") in md
+
+
+def test_the_card_shows_contexts_from_three_bands_and_both_ends_of_the_signature(studio):
+    """Top contexts from the evidence job, then the middle and the low end of the bands job's uniform sample
+    (checked against the table itself); the signature's most lowered tokens against W p computed here."""
+    import torch
+
+    from app import cards
+
+    counts = dict(studio.db.run(lambda c: c.execute(
+        "SELECT prototype_id, count(*) FROM evidence_bands GROUP BY 1").fetchall()))
+    pid = max(counts, key=counts.get)
+    n = counts[pid]
+    assert n > 2 * cards.N_BAND, "the tiny database should sample more positions than a card shows"
+    md, signature, _, evidence_html, data = handlers.prototype(studio, pid)
+    sample = studio.db.run(lambda c: c.execute(
+        "SELECT activation, doc_id, token_position FROM evidence_bands WHERE prototype_id = ? ORDER BY rank",
+        [pid]).fetchall())
+    low = [(r["doc_id"], r["activation"]) for r in data["bands"]["low"]]
+    assert low == [(d, a) for a, d, _ in sample[-cards.N_BAND:]]  # the sample's weakest rows
+    middle = [r["activation"] for r in data["bands"]["middle"]]
+    median = sorted(a for a, _, _ in sample)[n // 2]
+    assert len(middle) == cards.N_BAND and min(middle) <= median <= max(middle)
+    assert max(a for _, a in low) <= min(middle) and data["bands"]["sampled"] == n
+    top = [r["activation"] for r in data["evidence"]]
+    assert min(top) >= max(middle)
+    for band in ("<b>Top</b>", "<b>Middle</b>", "<b>Low</b>"):
+        assert band in evidence_html
+    assert evidence_html.count('class="prism-evidence"') == len(top) + len(middle) + len(low)
+    # both ends of W p, from the model's own weights
+    values = studio.model.lm_head.weight @ studio.model.prototypes.weight[pid]
+    lowest = torch.topk(-values, 10).indices.tolist()
+    assert [r["token_id"] for r in data["signature_lowers"]] == lowest
+    assert len(signature.data[0].x) == 20 and min(signature.data[0].x) == pytest.approx(float(values.min()))
+
+
+def test_try_it_on_your_text_gives_the_activation_the_evidence_job_stored(studio):
+    """The card's "try it on your text": for a top context at the start of its document, the document's text up to
+    the evidence token, typed in, gives the stored activation at its last token."""
+    from app.cards import try_text
+
+    rows = studio.db.run(lambda c: c.execute(
+        "SELECT e.prototype_id, e.activation, e.char_end, e.token_position, d.text FROM evidence e "
+        "JOIN documents d USING (doc_id) WHERE e.seq_token_start = 0 AND e.token_position > 2 "
+        "ORDER BY e.activation DESC LIMIT 5").fetchall())
+    assert rows
+    for pid, activation, char_end, position, text in rows:
+        shown, data = try_text(studio, pid, text[:char_end])
+        assert len(data["tokens"]) == position + 1
+        assert data["activations"][-1] == pytest.approx(activation, abs=1e-4)
+        assert f"#{pid} is active on" in shown and 'data-activation="' in shown
+    message, data = try_text(studio, rows[0][0], "   ")
+    assert data is None and "type a text" in message
+    message, data = try_text(studio, studio.n_prototypes + 5, "hello")
+    assert data is None and "prototype" in message.lower()

@@ -155,7 +155,18 @@ def test_why_changed_under_reroute_names_the_replacements(studio):
     # the effects of the suppressed prototype and its replacements add up exactly to the margin's change
     new, ref = intervened.steps[first].token_id, original.steps[first].token_id
     plain, after = studio.model(prefix).logits[0, position], used.logits[0, position]
-    assert close(sum(e["effect"] for e in why.effects), float((after[new] - after[ref]) - (plain[new] - plain[ref])))
+    margin_change = float((after[new] - after[ref]) - (plain[new] - plain[ref]))
+    assert close(sum(e["effect"] for e in why.effects), margin_change)
+    # the page's table: one row per prototype (at most `rows`, the rest summed), roles, and the exact total
+    table = [line for line in render.why_table(why, rows=1).splitlines() if line.startswith("| ")]
+    body = table[1:]
+    assert len(body) == 1 + (len(why.effects) > 1) + 1
+    assert body[0].startswith(f"| #{why.effects[0]['prototype_id']} ")
+    assert float(body[-1].split("|")[-2].strip(" *")) == pytest.approx(margin_change, abs=1.5e-3)
+    if len(why.effects) > 1:
+        assert float(body[1].split("|")[-2]) == pytest.approx(sum(e["effect"] for e in why.effects[1:]), abs=1.5e-3)
+    whole = render.why_table(why)
+    assert whole.count("took a suppressed slot") == sum(e["role"] == "replacement" for e in why.effects[:8])
     # the flip set holds only intervened prototypes, and re-routing it alone changes the token
     assert why.flip_set == [pid]
     assert int(studio.model.generate(prefix, 1, interventions=interventions)[0, -1]) != ref
@@ -177,7 +188,7 @@ def test_generation_stops_at_a_special_token_and_never_shows_it(studio):
     assert stop not in cut.token_ids
 
 
-def test_every_token_is_one_chip_and_newlines_show_as_a_mark(studio):
+def test_every_token_is_one_chip_and_newlines_show_as_a_mark_then_a_break(studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=4))
     steps = list(gen.steps)  # generations are values: make one whose tokens read as line breaks would
     steps[1], steps[2] = replace(steps[1], text="\n\n"), replace(steps[2], text=" end\r\n")
@@ -185,7 +196,10 @@ def test_every_token_is_one_chip_and_newlines_show_as_a_mark(studio):
     chips = handlers._highlights(studio, gen)
     assert len(chips) == len(gen.steps)
     assert [c[0] for c in chips][1:3] == [handlers.NEWLINE * 2, " end" + handlers.NEWLINE]
-    assert not any("\n" in text or "\r" in text for text, _ in chips)
+    # every line break stays (the page breaks the line there) behind a mark that can be clicked
+    assert not any("\r" in text for text, _ in chips)
+    assert all(text.count("\n") == text.count("⏎\n") for text, _ in chips) and "".join(
+        text for text, _ in chips).count("\n") == 3
 
 
 def test_token_summary_says_whether_the_chosen_token_had_the_highest_logit(studio):

@@ -91,6 +91,8 @@ def _cases(studio, session, tmp_path):
         ("generate", lambda *a: handlers.generate(studio, *a), [PROMPT, 4, 0, 1, 0, session]),
         ("decompose", lambda *a: handlers.decompose(studio, *a), ["original", 1, session]),
         ("prototype", lambda *a: handlers.prototype(studio, *a), [3]),
+        ("try_prototype", lambda *a: handlers.try_text(studio, *a), [3, PROMPT]),
+        ("contrast", lambda *a: handlers.contrast(studio, *a), ["original", 1, " the", session]),
         ("search", lambda *a: handlers.search(studio, *a), ["the", "label", "all", "relevance"]),
         ("map", lambda *a: handlers.map_plot(studio, *a), ["the", [[1, "a"]], {"prototype_id": 2}, "all"]),
         ("attribute", lambda *a: handlers.attribute(studio, *a), ["original", 1, session]),

@@ -62,12 +62,12 @@ def test_train_throughput_bench_times_the_model_it_names(tmp_path, monkeypatch):
 
     def slower_prism(self, ids, states):
         if not self.args.dense_baseline:
-            time.sleep(0.2)
+            time.sleep(0.5)  # large beside the noise of a loaded machine (two busy cores slowed steps by ~0.1 s)
         return forward(self, ids, states)
 
     monkeypatch.setattr(TrainModule, "forward", slower_prism)
     slowed = bench.main(argv)
-    assert slowed["prism_s_per_step"] - slowed["dense_s_per_step"] >= 0.19
+    assert slowed["prism_s_per_step"] - slowed["dense_s_per_step"] >= 0.35
     assert slowed["throughput_ratio"] < plain["throughput_ratio"] and slowed["throughput_ratio"] < 1
     assert slowed["ratio_per_pair_median"] < 1
 

@@ -6,6 +6,7 @@
 It starts the app on a free 127.0.0.1 port, follows the README walkthrough (its prompt, temperature and seed are
 read from README.md) and writes:
 
+    top.png             the page as it first shows at 1280x800 after Generate: the texts above the fold
     decomposition.png   a token of the original text explained: summary, waterfall, alternatives
     side-by-side.png    the walkthrough's preset switched on: the two texts, the changed tokens marked
     card.png            the top prototype's card with its evidence
@@ -90,6 +91,13 @@ def take(url: str, out: Path, width: int = 1400, theme: str = "light") -> list[P
         _set_number(page, "temperature", steps["temperature"])
         _set_number(page, "seed", steps["seed"])
         _generate(page, "original token(s).")
+        page.set_viewport_size({"width": 1280, "height": 800})  # a projector's screen: the texts above the fold
+        page.evaluate("window.scrollTo(0, 0)")
+        page.wait_for_timeout(500)
+        top = out / "top.png"
+        page.screenshot(path=str(top))
+        written.append(top)
+        page.set_viewport_size({"width": width, "height": 1000})
         page.locator("#original .textfield .token").nth(1).click()
         page.wait_for_function("document.querySelector('#token-summary').innerText.includes('Token 1')")
         page.wait_for_selector("#alternatives .js-plotly-plot")
