@@ -232,6 +232,9 @@ def test_stop_leaves_at_most_one_more_token_under_load(browser, app, busy_cores)
     set_number(page, "max-new", 128)
     stopped = 0
     for press in range(10):
+        # another seed each press: a Generate with the settings of a text already written to its end reuses that
+        # text at once (no run to stop, and its 'Generating' status too brief to wait for)
+        set_number(page, "seed", press + 1)
         page.click("#generate")
         # Generate's click first replaces the last run's status (outside the queue)
         page.wait_for_function("document.querySelector('#gen-status').innerText.includes('Generating')")
