@@ -102,24 +102,34 @@ def running_app(model: Path, db: Path | None, concurrency: int = 2, timeout: flo
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+
+    def exited() -> str:
+        log.seek(0)
+        return f"app.py exited with {proc.returncode}:\n{log.read().decode()[-3000:]}"
+
     try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"app.py exited with {proc.returncode}:\n{log.read().decode()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"app.py did not answer on {url} within {timeout:.0f} s")
-            time.sleep(0.5)
+        wait_until_served(proc, url, timeout, exited)
         yield url
     finally:
         stop_process(proc, log)
+
+
+def wait_until_served(proc: subprocess.Popen, url: str, timeout: float, exited) -> None:
+    """Poll `url` until it answers 200; RuntimeError(exited()) if the server process ends first, TimeoutError after
+    `timeout` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(exited())
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def stop_process(proc: subprocess.Popen, log) -> None:

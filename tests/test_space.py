@@ -18,12 +18,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from test_app_support import free_port, stop_process
+from test_app_support import free_port, stop_process, wait_until_served
 
 from prism.backbones import cache_dir
 
@@ -130,17 +129,7 @@ def test_a_space_build_serves_the_page_and_generate_on_all_addresses(tmp_path):
     log = (tmp_path / "app.log").open("w")
     proc = subprocess.Popen(steps["cmd"], cwd=work, env=space_env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "app.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the Space build's app did not answer in 300 s"
-            time.sleep(1)
+        wait_until_served(proc, f"http://127.0.0.1:{port}", 300, lambda: (tmp_path / "app.log").read_text()[-3000:])
         url = f"http://{_reachable_address(port)}:{port}"
         with urllib.request.urlopen(url, timeout=10) as response:
             assert response.status == 200 and b"PRISM studio" in response.read()

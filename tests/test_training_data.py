@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_app_support import build_tiny_attribution_db, free_port, shared_assets
+from test_app_support import build_tiny_attribution_db, free_port, shared_assets, wait_until_served
 
 from app import training_data
 from app.attribution import attribute_token, attribution_panel
@@ -166,17 +165,7 @@ def test_kill_ends_the_app_and_its_cache_build(assets, tmp_path):
     child = None
     try:
         child = int(proc.stdout.readline().split()[1])
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "app.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the app did not answer in 120 s"
-            time.sleep(0.5)
+        wait_until_served(proc, f"http://127.0.0.1:{port}", 120, lambda: (tmp_path / "app.log").read_text()[-3000:])
         assert _alive(child), "the build ended before the app was stopped: nothing left to check"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
