@@ -56,6 +56,15 @@ def machine() -> dict:
             "native_bfloat16": native_bfloat16(), "allocator": allocator(), "torch": torch.__version__}
 
 
+def page_faults() -> int:
+    """Minor page faults of this process so far (first touches of fresh pages; 0 where getrusage is missing)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def profile_steps(module, optimizer, batches, top: int) -> list[dict]:
     """torch.profiler over whole training steps: the `top` operators by self CPU time, per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -143,15 +152,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     names = list(models)
     times: dict[str, list[float]] = {name: [] for name in names}
+    faults: dict[str, list[int]] = {name: [] for name in names}  # pages touched for the first time, per step
     for step, (ids, states) in enumerate(batches):
         for name in names[step % len(names):] + names[:step % len(names)]:  # rotate who goes first
-            t0 = time.perf_counter()
+            f0, t0 = page_faults(), time.perf_counter()
             loss, _, _ = modules[name](ids, states)
             optimizers[name].zero_grad(set_to_none=True)
             loss.backward()
             optimizers[name].step()
             if step >= 2:
                 times[name].append(time.perf_counter() - t0)
+                faults[name].append(page_faults() - f0)
     if args.profile:
         profiles = {name: profile_steps(modules[name], optimizers[name], batches[:2], args.profile)
                     for name in ("dense", "prism", "dense", "prism")}  # twice, alternating: the second counts
@@ -168,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
         "prism_tokens_per_s": tokens / med["prism"], "dense_tokens_per_s": tokens / med["dense"],
         "throughput_ratio": med["dense"] / med["prism"],
         "ratio_per_pair_median": statistics.median(d / p for p, d in zip(times["prism"], times["dense"])),
+        # every step's seconds and minor page faults, in order: slow steps that fault many fresh pages are the
+        # allocator's doing, not the model's
+        "steps": {name: {"s": [round(t, 4) for t in times[name]], "page_faults": faults[name]} for name in names},
     }
     if args.autocast_compare:
         fill = {"none": [], "bfloat16": []}

@@ -54,6 +54,26 @@ def r2_loss(sims: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tenso
     return _masked_mean(1.0 - sims.max(dim=-1).values, mask)
 
 
+def coverage_losses(sims: torch.Tensor, top_similarity: torch.Tensor, z: torch.Tensor, prototypes: torch.Tensor,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """L_R1 and L_R2 as r1_loss and r2_loss compute them, without a gradient through the (..., K) similarities
+    (training's way: prism.model's routing gives sims without gradient).
+
+    sims (..., K) only find each prototype's best token (no gradient needed); top_similarity (...) is each token's
+    best similarity, with its gradient (the first of the routing's top-k values); z (..., d) the token states and
+    prototypes (K, d) the bank, from which each prototype's best similarity is computed again, in float32, at its
+    best token, so its gradient reaches one token state and the prototype. Where several tokens tie for a
+    prototype's maximum the first takes the gradient (r1_loss shares it; the values are equal)."""
+    r2 = _masked_mean(1.0 - _wide(top_similarity), mask)
+    flat = sims.detach().reshape(-1, sims.shape[-1])  # (N, K)
+    states = z.reshape(-1, z.shape[-1])  # (N, d)
+    if mask is not None and not bool(mask.all()):
+        keep = mask.reshape(-1)
+        flat, states = flat[keep], states[keep]
+    rows = (flat == flat.amax(dim=0)).to(torch.uint8).argmax(dim=0)  # (K,) each prototype's first best token
+    return (1.0 - _CosineAt.apply(states, prototypes, rows)).mean(), r2
+
+
 def path_kl_loss(logits: torch.Tensor, path_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """L_PATH_KL = mean over tokens of KL(softmax(logits) || softmax(path_logits)), logits and path_logits (..., V).
     The full model's distribution is the target and gets no gradient from this term (the path follows the model,
@@ -195,8 +215,13 @@ def prism_loss(
     lambda_path_kl: float = 0.0,
     gram: torch.Tensor | None = None,
     lambda_head_rec: float = 0.0,
+    top_similarity: torch.Tensor | None = None,
+    prototypes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted sum and its terms. Tokens whose label is IGNORE_INDEX (padding) are left out of every term.
+
+    R1 and R2 come from sims with their gradient (r1_loss, r2_loss) or, given top_similarity (B, T) and the bank's
+    prototypes (K, d), from coverage_losses (sims then need no gradient): the same values, training's cheaper way.
 
     The path terms (lambda_path_ce or lambda_path_kl > 0) need either path_head = (W, b), the LM head's weight
     and bias, computed chunk by chunk with path_terms (products in path_dtype, training's way), or path_logits
@@ -207,9 +232,13 @@ def prism_loss(
     losses = {
         "ce": ce_loss(logits, labels),
         "rec": rec_loss(z, z_hat, mask),
-        "r1": r1_loss(sims, mask),
-        "r2": r2_loss(sims, mask),
     }
+    if (top_similarity is None) != (prototypes is None):
+        raise ValueError("top_similarity and prototypes go together (coverage_losses); give both or neither")
+    if top_similarity is None:
+        losses["r1"], losses["r2"] = r1_loss(sims, mask), r2_loss(sims, mask)
+    else:
+        losses["r1"], losses["r2"] = coverage_losses(sims, top_similarity, z, prototypes, mask)
     total = losses["ce"] + lambda_rec * losses["rec"] + lambda_r1 * losses["r1"] + lambda_r2 * losses["r2"]
     if (lambda_path_ce or lambda_path_kl) and path_logits is None and path_head is None:
         raise ValueError("lambda_path_ce / lambda_path_kl > 0 need path_head = (lm_head.weight, lm_head.bias) "
@@ -252,6 +281,38 @@ class _ColumnMax(torch.autograd.Function):
         x, values = ctx.saved_tensors
         hit = x == values  # (N, K), one True per column unless values tie
         return torch.where(hit, grad / hit.sum(dim=0), 0.0)
+
+
+NORMALIZE_EPS = 1e-12  # F.normalize's default eps (prism.model's routing uses it too)
+
+
+class _CosineAt(torch.autograd.Function):
+    """cos(z[rows_i], w_i) for each i: z (N, d), w (K, d), rows (K,) -> (K,), in at least float32. Its backward is
+    written out, d cos / d s = (w^ - cos s^) / |s| and the same for w (autograd of F.normalize takes about three
+    times as many passes over the (K, d) rows); the states' gradient lands on rows only."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        s, p = _wide(z[rows]), _wide(w)  # (K, d) each
+        s_norm = s.norm(dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)  # (K, 1)
+        p_norm = p.norm(dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)
+        sn, pn = s / s_norm, p / p_norm
+        cos = (sn * pn).sum(-1)  # (K,)
+        ctx.save_for_backward(sn, pn, s_norm, p_norm, cos, rows)
+        ctx.n_states = z.shape[0]
+        return cos
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sn, pn, s_norm, p_norm, cos, rows = ctx.saved_tensors
+        grad = grad.to(sn.dtype)[:, None]  # (K, 1)
+        grad_z = grad_w = None
+        if ctx.needs_input_grad[0]:  # where |s| <= eps F.normalize divides by eps: no radial part
+            grad_s = torch.addcmul(pn, cos[:, None] * (s_norm > NORMALIZE_EPS), sn, value=-1.0).mul_(grad / s_norm)
+            grad_z = grad_s.new_zeros(ctx.n_states, sn.shape[1]).index_add_(0, rows, grad_s)  # (N, d)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.addcmul(sn, cos[:, None] * (p_norm > NORMALIZE_EPS), pn, value=-1.0).mul_(grad / p_norm)
+        return grad_z, grad_w, None
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ Usage:
     ids = model.generate(input_ids, max_new_tokens=20, interventions=Interventions(suppress={3}))
     model = AutoModelForCausalLM.from_pretrained(folder)      # after `import prism`
 
-Length: about 890 lines, on purpose. As in transformers' single-model-file policy, the whole model (the bank, the
+Length: about 960 lines, on purpose. As in transformers' single-model-file policy, the whole model (the bank, the
 outputs, forward, decompose, generation, checkpoints) is one file that reads top to bottom, so the math above and
 every place that applies it sit side by side; split up, one forward pass would be spread over files that only ever
 change together. The intervention values it applies are in prism/interventions.py.
@@ -57,7 +57,7 @@ from prism.interventions import (  # noqa: F401  (re-exported: prism.model.Inter
     Interventions,
     changed_selection,
 )
-from prism.losses import head_gram, prism_loss
+from prism.losses import NORMALIZE_EPS, head_gram, prism_loss
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,15 @@ class PrototypeBank(nn.Module):
         sims = _Similarities.apply(zn, F.normalize(self.weight, dim=-1))  # (N, K)
         return sims.reshape(*z.shape[:-1], self.weight.shape[0])
 
+    def route(self, z: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """similarities and the top-k of activate in one step whose backward never builds a (tokens, K) gradient
+        (training's way; _Routing). z (..., d) -> sims (..., K) without gradient, ids (..., k) long, and the top-k
+        similarities (..., k) before ReLU, with gradient: activations are their ReLU, and values[..., 0] is each
+        token's best similarity (R2's)."""
+        sims, values, ids = _Routing.apply(z.reshape(-1, z.shape[-1]), self.weight, top_k)
+        lead = z.shape[:-1]
+        return sims.reshape(*lead, -1), ids.reshape(*lead, top_k), values.reshape(*lead, top_k)
+
     def activate(self, sims: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the top-k similarities, ReLU them. sims (..., K) -> ids (..., k) long, activations (..., k) >= 0."""
         values, ids = sims.topk(top_k, dim=-1)  # (..., k)
@@ -101,7 +110,9 @@ class PrototypeBank(nn.Module):
         k, d = ids.shape[-1], self.weight.shape[1]
         flat = F.embedding_bag(ids.reshape(-1, k), self.weight, mode="sum",
                                per_sample_weights=activations.reshape(-1, k).to(self.weight.dtype))  # (N, d)
-        return flat.reshape(*ids.shape[:-1], d).to(activations.dtype)
+        # in the wider of the two types: under autocast the activations are bfloat16 and z_hat stays float32 (a
+        # bfloat16 z_hat was rounded, then widened again for L_REC: two casts each way a step for nothing)
+        return flat.reshape(*ids.shape[:-1], d).to(torch.promote_types(activations.dtype, self.weight.dtype))
 
 
 class _Similarities(torch.autograd.Function):
@@ -130,6 +141,57 @@ class _Similarities(torch.autograd.Function):
                 grad.T @ zn if ctx.needs_input_grad[1] else None)
 
 
+def _normalize_backward(grad: torch.Tensor, unit: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """The gradient through F.normalize(x) = x / max(|x|, eps): grad (n, d) of the unit vectors `unit`, norm (n, 1)
+    = max(|x|, eps) -> the gradient of x, (grad - (grad . unit) unit) / norm (the radial part only where |x| > eps,
+    as autograd's)."""
+    radial = (grad * unit).sum(-1, keepdim=True) * (norm > NORMALIZE_EPS)  # (n, 1)
+    return torch.addcmul(grad, radial, unit, value=-1.0).div_(norm)
+
+
+class _Routing(torch.autograd.Function):
+    """cos(z_n, p_i) for every token and prototype and its top-k, z (N, d) and the bank w (K, d) -> sims (N, K)
+    (no gradient), the top-k values (N, k) and ids (N, k).
+
+    Its backward needs only the values' gradient, k entries per token: the states' gradient is a weighted sum of k
+    unit prototypes (embedding_bag), the bank's a sparse product, and both normalisations' backward are written out.
+    Autograd's way (a dense similarity matrix whose top-k, row maximum and column maximum each build a (N, K)
+    gradient, summed, then made sparse) spent about as long again as the product itself (bench.train_throughput
+    --profile). Under autocast the product is bfloat16 as before and the gradients are computed in float32."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, w: torch.Tensor, top_k: int):
+        z_norm = z.norm(dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)  # (N, 1)
+        w_norm = w.norm(dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)  # (K, 1)
+        zn, pn = z / z_norm, w / w_norm
+        sims = zn @ pn.T  # (N, K), bfloat16 under autocast
+        values, ids = sims.topk(top_k, dim=-1)  # (N, k)
+        ctx.save_for_backward(zn, pn, z_norm, w_norm, ids)
+        ctx.mark_non_differentiable(sims, ids)
+        ctx.set_materialize_grads(False)  # no (N, K) zeros for the sims' missing gradient
+        return sims, values, ids
+
+    @staticmethod
+    def backward(ctx, _sims_grad, values_grad, _ids_grad):
+        if values_grad is None:
+            return None, None, None
+        zn, pn, z_norm, w_norm, ids = ctx.saved_tensors
+        dtype = torch.promote_types(torch.promote_types(zn.dtype, pn.dtype), values_grad.dtype)
+        grad, zn, pn = values_grad.to(dtype), zn.to(dtype), pn.to(dtype)
+        n, k = ids.shape
+        grad_z = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_zn = F.embedding_bag(ids, pn, mode="sum", per_sample_weights=grad)  # (N, d) sum_j g_nj p_ids_nj
+            grad_z = _normalize_backward(grad_zn, zn, z_norm.to(dtype))  # autograd casts it to z's dtype
+        if ctx.needs_input_grad[1]:
+            tokens = torch.arange(n, device=ids.device).repeat_interleave(k)  # (N k,)
+            entries = torch.sparse_coo_tensor(torch.stack([ids.reshape(-1), tokens]), grad.reshape(-1),
+                                              (pn.shape[0], n), check_invariants=False)  # valid by construction
+            grad_pn = torch.sparse.mm(entries, zn)  # (K, d)
+            grad_w = _normalize_backward(grad_pn, pn, w_norm.to(dtype))
+        return grad_z, grad_w, None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Outputs.
 
@@ -153,7 +215,8 @@ class PrismOutput(CausalLMOutputWithPast):
     residual: torch.Tensor | None = None  # (B, T, d)
     z: torch.Tensor | None = None  # (B, T, d) final hidden state, the input of the LM head
     z_hat: torch.Tensor | None = None  # (B, T, d)
-    sims: torch.Tensor | None = None  # (B, T, K), only with return_sims=True
+    sims: torch.Tensor | None = None  # (B, T, K), only with return_sims=True (no gradient without interventions)
+    top_similarity: torch.Tensor | None = None  # (B, T) each token's best similarity, with gradient (R2's)
     used_prototype_ids: torch.Tensor | None = None  # (B, T, k') long, only with interventions
     used_activations: torch.Tensor | None = None  # (B, T, k') >= 0, only with interventions
 
@@ -443,8 +506,13 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         self, z: torch.Tensor, interventions: Interventions | None = None, return_sims: bool = False
     ) -> PrismOutput:
         """Prototype activations, reconstruction and (intervened) logits for final states z (B, T, d)."""
-        sims = self.prototypes.similarities(z)  # (B, T, K)
-        ids, acts = self.prototypes.activate(sims, self.config.top_k)  # (B, T, k) each
+        top = None
+        if interventions is None or interventions.is_empty:
+            sims, ids, values = self.prototypes.route(z, self.config.top_k)  # (B, T, K), (B, T, k) twice
+            acts, top = F.relu(values), values[..., 0]
+        else:  # a re-routed selection is taken from these sims: they keep their gradient
+            sims = self.prototypes.similarities(z)  # (B, T, K)
+            ids, acts = self.prototypes.activate(sims, self.config.top_k)  # (B, T, k) each
         z_hat = self.prototypes.reconstruct(ids, acts)  # (B, T, d)
         residual = z - z_hat  # (B, T, d)
         used_ids = used_acts = None
@@ -458,8 +526,8 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             else:  # the same selection: add only what changed, z' = z + sum_j (a'_j - a_j) p_j
                 z_used = z + self._delta(ids, acts, used_ids, used_acts)
         return PrismOutput(logits=self.lm_head(z_used), prototype_ids=ids, activations=acts, residual=residual, z=z,
-                           z_hat=z_hat, sims=sims if return_sims else None, used_prototype_ids=used_ids,
-                           used_activations=used_acts)  # logits (B, T, V)
+                           z_hat=z_hat, sims=sims if return_sims else None, top_similarity=top,
+                           used_prototype_ids=used_ids, used_activations=used_acts)  # logits (B, T, V)
 
     def select(self, sims: torch.Tensor, interventions: Interventions | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -569,8 +637,11 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = self.config
         if cfg.lambda_head_rec and gram is None:
             gram = head_gram(self.lm_head.weight)  # (d, d)
-        return prism_loss(out.logits.float(), labels, out.z.float(), out.z_hat.float(), out.sims.float(),
-                          cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2,
+        routed = out.top_similarity is not None  # R1, R2 without a gradient through sims (coverage_losses)
+        return prism_loss(out.logits.float(), labels, out.z.float(), out.z_hat.float(),
+                          out.sims if routed else out.sims.float(), cfg.lambda_rec, cfg.lambda_r1, cfg.lambda_r2,
+                          top_similarity=out.top_similarity if routed else None,
+                          prototypes=self.prototypes.weight if routed else None,
                           path_logits=None if path_logits is None else path_logits.float(),
                           path_head=(self.lm_head.weight, self.lm_head.bias), path_dtype=path_dtype,
                           lambda_path_ce=cfg.lambda_path_ce, lambda_path_kl=cfg.lambda_path_kl,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import statistics
 import time
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def test_train_throughput_bench_times_both_models_on_the_same_steps(tmp_path, ca
     assert m["cpu"] and m["threads"] == torch.get_num_threads() and set(m["extensions"]) <= set(bench.EXTENSIONS)
     assert m["torch_capability"] == torch.backends.cpu.get_cpu_capability() and result["precision"] == "float32"
     assert m["allocator"] == memory.allocator()
+    for name in ("prism", "dense"):  # every timed step, in order, with the fresh pages it touched
+        steps = result["steps"][name]
+        assert len(steps["s"]) == len(steps["page_faults"]) == 3 and min(steps["page_faults"]) >= 0
+        assert statistics.median(steps["s"]) == pytest.approx(result[f"{name}_s_per_step"], abs=1e-4)
     with_path = bench.main(["--backbone", str(tmp_path / "bb"), "--corpus", str(tmp_path / "c" / "corpus.jsonl"),
                             "--n-layers", "1", "--n-prototypes", "16", "--top-k", "4", "--seq-len", "32",
                             "--batch-size", "2", "--repeats", "2", "--lambda-path-kl", "1", "--lambda-head-rec", "0.5"])

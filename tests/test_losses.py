@@ -228,3 +228,67 @@ def test_prism_loss_with_the_head_equals_prism_loss_with_whole_path_logits():
     assert {k: pytest.approx(float(v), rel=1e-6) for k, v in ref_terms.items()} == \
         {k: float(v.detach()) for k, v in terms.items() if k != "path_agreement"}
     assert torch.allclose(grad, z_hat.grad, atol=1e-6)
+
+
+def test_routing_and_coverage_losses_equal_autograd_of_the_plain_formulas():
+    """Training's head (prism.model's _Routing: similarities and top-k with a backward written out, and
+    coverage_losses for R1 and R2 from sims without gradient) against autograd of the plain formulas: cos as a
+    dense product of F.normalize'd vectors, torch's topk and max. Values and gradients, with and without a mask
+    (padding left out), and finite differences in float64."""
+    import torch.nn.functional as F
+
+    from prism.losses import coverage_losses
+    from prism.model import _Routing
+
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(2, 15, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(9, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(2, 15, 3, dtype=torch.float64, generator=gen)  # a loss on the activations
+
+    def ours(z, w, mask):
+        sims, values, ids = _Routing.apply(z.reshape(-1, 6), w, 3)
+        assert not sims.requires_grad and not ids.requires_grad
+        values = values.reshape(2, 15, 3)
+        r1, r2 = coverage_losses(sims.reshape(2, 15, 9), values[..., 0], z, w, mask)
+        return r1 + 2 * r2 + (F.relu(values) * weight).sum(), ids.reshape(2, 15, 3)
+
+    def plain(z, w, mask):
+        sims = F.normalize(z, dim=-1) @ F.normalize(w, dim=-1).T  # (2, 15, 9)
+        values, ids = sims.topk(3, dim=-1)
+        flat = sims.reshape(-1, 9) if mask is None else sims.reshape(-1, 9)[mask.reshape(-1)]
+        r1 = (1 - flat.max(dim=0).values).mean()
+        top = sims.max(dim=-1).values
+        r2 = (1 - top).mean() if mask is None else ((1 - top) * mask).sum() / mask.sum()
+        return r1 + 2 * r2 + (F.relu(values) * weight).sum(), ids
+
+    mask = torch.rand(2, 15, generator=gen) > 0.3
+    for m in (None, mask):
+        (a, ids_a), (b, ids_b) = ours(z, w, m), plain(z, w, m)
+        assert torch.equal(ids_a, ids_b)
+        torch.testing.assert_close(a, b)
+        for ga, gb in zip(torch.autograd.grad(a, (z, w)), torch.autograd.grad(b, (z, w))):
+            torch.testing.assert_close(ga, gb)
+        assert torch.autograd.gradcheck(lambda z, w, m=m: ours(z, w, m)[0], (z, w))
+
+
+def test_routing_under_autocast_matches_float32():
+    """Under bfloat16 autocast the similarity product is bfloat16 (as the old path's) and the gradients come back
+    in float32, close to the float32 ones."""
+    import torch.nn.functional as F
+
+    from prism.model import _Routing
+
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(300, 32, generator=gen, requires_grad=True)
+    w = torch.randn(40, 32, generator=gen, requires_grad=True)
+    grads = []
+    for bf16 in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            sims, values, _ = _Routing.apply(z, w, 4)
+        assert sims.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        (F.relu(values.float()) ** 2).sum().backward()
+        assert z.grad.dtype == w.grad.dtype == torch.float32
+        grads.append((z.grad.clone(), w.grad.clone()))
+        z.grad = w.grad = None
+    for fp32, bf16 in zip(*grads):
+        assert F.cosine_similarity(fp32.flatten(), bf16.flatten(), dim=0) > 0.98

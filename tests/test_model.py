@@ -321,6 +321,31 @@ def test_loss_terms_are_returned_with_labels():
     assert model.prototypes.weight.grad is not None and model.prototypes.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", sorted(BACKBONES))
+def test_the_training_loss_and_its_gradients_equal_the_differentiable_similarities_path(kind):
+    """model(ids, labels) routes without a gradient through the (tokens, K) similarities (_Routing, coverage_losses);
+    the same loss through the path that keeps it (taken when interventions are given: a scale of 1 changes nothing)
+    gives the same loss, terms and gradients for every trained parameter, padding left out of both."""
+    model = tiny_prism(kind, n_prototypes=16, top_k=4)
+    ids = random_ids(2, 12, seed=3)
+    attention = torch.ones_like(ids)
+    attention[1, 8:] = 0  # right padding: left out of every term
+    results = []
+    for interventions in (None, Interventions(scale={0: 1.0})):
+        model.zero_grad()
+        out = model(ids, attention_mask=attention, labels=ids, interventions=interventions)
+        assert (out.top_similarity is None) == (interventions is not None)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.loss.detach(), {k: float(v) for k, v in out.losses.items()}, grads))
+    (loss, terms, grads), (ref_loss, ref_terms, ref_grads) = results
+    torch.testing.assert_close(loss, ref_loss)
+    assert terms == pytest.approx(ref_terms, rel=1e-5)
+    assert grads.keys() == ref_grads.keys() and "prototypes.weight" in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_the_cheap_head_matches_the_plain_computation_in_value_and_gradient(monkeypatch):
     """Reconstruction (embedding_bag) and the similarities' sparse backward against the plain formulas under
     autograd: a dense (tokens, K) activation matrix times the bank, and cos(z, p) as a dense product. Both the
@@ -352,3 +377,16 @@ def test_the_cheap_head_matches_the_plain_computation_in_value_and_gradient(monk
             results.append((z_hat.detach(), sims.detach(), z.grad.clone(), bank.weight.grad.clone()))
         for ours, plain in zip(*results):
             torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reconstruction_stays_float32_under_autocast():
+    """Under bfloat16 autocast the activations are bfloat16 (the similarity product is) and z_hat is their weighted
+    sum of the float32 prototypes, in float32 (not rounded to bfloat16 and widened again for L_REC)."""
+    model = tiny_prism("llama", n_prototypes=16, top_k=4)
+    bank = model.prototypes.weight
+    z = torch.randn(2, 7, bank.shape[1], generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.head(z)
+    assert out.activations.dtype == torch.bfloat16 and out.z_hat.dtype == torch.float32
+    want = (out.activations.float()[..., None] * bank.detach()[out.prototype_ids]).sum(-2)  # (2, 7, d)
+    torch.testing.assert_close(out.z_hat, want)
