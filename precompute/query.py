@@ -248,8 +248,12 @@ def _resolve_text(doc_id: str, sha256: str) -> str:
 def check_documents(con: duckdb.DuckDBPyConnection, max_errors: int = 5) -> dict:
     """Read back the text of every document a pointer-only database points into (from the installed corpus
     packages) and check its sha256: {pointer_only, documents, resolved, errors (the first max_errors messages)}.
-    Databases that store their text pass trivially. The app runs this once at start."""
-    rows = con.execute("SELECT doc_id, sha256 FROM documents WHERE text IS NULL ORDER BY doc_id").fetchall()
+    Databases that store their text pass trivially. The documents of the activation bands (band_documents) count
+    too, once each: a card shows both. The app runs this once at start."""
+    tables = [t for t in EVIDENCE_TABLES.values() if _has_table(con, t)]
+    union = " UNION ".join(f"SELECT doc_id, sha256, text IS NULL AS pointer FROM {t}" for t in tables)
+    docs = f"SELECT doc_id, any_value(sha256) AS sha256, bool_or(pointer) AS pointer FROM ({union}) GROUP BY doc_id"
+    rows = con.execute(f"SELECT doc_id, sha256 FROM ({docs}) WHERE pointer ORDER BY doc_id").fetchall()
     errors, resolved = [], 0
     for doc_id, sha256 in rows:
         try:
@@ -258,7 +262,7 @@ def check_documents(con: duckdb.DuckDBPyConnection, max_errors: int = 5) -> dict
         except (KeyError, ValueError, ImportError, OSError) as err:  # OSError: an npm source not fetched
             if len(errors) < max_errors:
                 errors.append(str(err))
-    total = con.execute("SELECT count(*) FROM documents").fetchone()[0]
+    total = con.execute(f"SELECT count(*) FROM ({docs})").fetchone()[0]
     return {"pointer_only": bool(rows), "documents": total, "resolved": resolved + total - len(rows),
             "errors": errors}
 

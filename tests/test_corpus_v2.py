@@ -288,14 +288,20 @@ def test_a_pointer_only_database_into_sotu_says_how_to_fetch_it(tmp_path, cache,
     con.execute("CREATE TABLE documents (doc_id VARCHAR, sha256 VARCHAR, text VARCHAR)")
     con.execute("INSERT INTO documents VALUES (?, ?, NULL)",
                 ["sotu/1901_ada_lane_r", hashlib.sha256(text.encode()).hexdigest()])
+    # the activation bands' documents count too, each document once: the same pointer, and one stored with its text
+    con.execute("CREATE TABLE band_documents AS SELECT * FROM documents")
+    con.execute("INSERT INTO band_documents VALUES ('local/1', ?, 'a stored text')",
+                [hashlib.sha256(b"a stored text").hexdigest()])
     try:
         missing = query.check_documents(con)
-        assert missing["pointer_only"] and missing["resolved"] == 0 and missing["documents"] == 1
-        assert "precompute.corpus fetch" in missing["errors"][0]
+        assert missing["pointer_only"] and missing["resolved"] == 1 and missing["documents"] == 2
+        assert len(missing["errors"]) == 1 and "precompute.corpus fetch" in missing["errors"][0]
         npm.fetch(pinned, tarball=tgz)
         for c in caches:
             c.cache_clear()
-        assert query.check_documents(con) == {"pointer_only": True, "documents": 1, "resolved": 1, "errors": []}
+        assert query.check_documents(con) == {"pointer_only": True, "documents": 2, "resolved": 2, "errors": []}
+        con.execute("INSERT INTO band_documents VALUES ('sotu/1901_nobody_r', ?, NULL)", ["0" * 64])
+        assert query.check_documents(con)["errors"]  # a band document that does not resolve is reported
     finally:
         con.close()
         for c in caches:
