@@ -6,6 +6,7 @@ evidence behind each prototype, suppress or scale prototypes and compare the tex
     python app.py --host 0.0.0.0 --port 7860 --share
     python app.py --max-prompt-tokens 1024 --requests-per-s 5   # limits for a public app (see app/limits.py)
     python app.py --model runs/m --db out.duckdb --training-data-cache   # build its attribution cache meanwhile
+    python app.py --mcp                             # also an MCP server at /gradio_api/mcp/ (app/tools.py)
 
 With the shipped default, the first start builds the training-data cache in the background (app/training_data.py;
 3,072 training sequences of 64 tokens, about 11 min on two quiet cores, once per machine, at low priority); every
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     parser.add_argument("--concurrency", type=int, default=2, help="generations running at once (they share the CPU)")
+    parser.add_argument("--mcp", action=argparse.BooleanOptionalAction, default=None,
+                        help="also serve the app's tools (generate, explain a token, search, cards, compare, training "
+                             "data) to MCP clients at /gradio_api/mcp/ (default: on on a Space, else off)")
     parser.add_argument("--training-data-cache", action=argparse.BooleanOptionalAction, default=None,
                         help="build the training-data (attribution) cache in the background when the database has "
                              "none, once per machine, into the cache folder (default: on for the shipped default)")
@@ -90,8 +94,11 @@ def main(argv: list[str] | None = None) -> None:
             build.on_ready.append(lambda db: index_for(studio, db))  # the first click finds the index loaded
             training_data.attach(studio, build)
             build.start()
+    from app.limits import on_space
+
+    mcp = args.mcp if args.mcp is not None else on_space()
     launch(build_demo(studio, args.concurrency), host=args.host, port=args.port, share=args.share,
-           concurrency=args.concurrency, limits=limits)
+           concurrency=args.concurrency, limits=limits, mcp=mcp)
 
 
 if __name__ == "__main__":

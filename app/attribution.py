@@ -29,7 +29,7 @@ from prism.attribution import CachedIndex, query_gradient, top_sequences
 
 logger = logging.getLogger(__name__)
 
-RUNS = ("original", "intervened")
+RUNS = ("original", "intervened", "prompt")
 EMPTY = "Click a generated token to see the training sequences behind it."
 
 CacheDatabase = Database | training_data.ReadOnly  # the served database, or the first-start build's
@@ -81,19 +81,21 @@ def _load_index(con, path, output_embeddings) -> CachedIndex:
         return cache.load_index(con, output_embeddings, rerank=cache.RERANK, exact=exact)
 
 
-def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) -> dict:
-    """The top training sequences for generated token `index` of `gen`, with scores, documents and spans."""
+def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10, in_prompt: bool = False) -> dict:
+    """The top training sequences for generated token `index` of `gen` (with in_prompt: its prompt's token
+    `index`), with scores, documents and spans."""
     db = cache_database(studio)
     cached = index_for(studio, db)
     if cached.n_prototypes != studio.n_prototypes:
         raise AppError(f"the attribution cache describes {cached.n_prototypes} prototypes but the model has "
                        f"{studio.n_prototypes}: rebuild it for this model")
-    index, position = studio.token_position(gen, index)
-    token = gen.steps[index].token_id
-    z = studio.state(gen, index)  # (d,)
+    target = studio.target(gen, index, in_prompt)
+    index, position, token = target.index, target.position, target.token_id
+    z = studio.state(gen, index, in_prompt)  # (d,)
     ids, rows = query_gradient(studio.model, None, position, token, z=z)
     if len(ids) == 0:
-        return {"index": index, "position": position, "token_id": token, "token": studio.tokenizer.decode([token]),
+        return {"index": index, "in_prompt": in_prompt, "position": position, "token_id": token,
+                "token": studio.tokenizer.decode([token]),
                 "prototype_ids": [], "n_sequences": cached.n_sequences, "sequences": [],
                 "message": "no prototype is active at this token"}
     scores, parts = cached.scores(ids, rows)
@@ -103,7 +105,8 @@ def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10) 
     for row in sequences:
         for p in row["prototypes"]:
             p["label"], p["category"] = studio.label(p["prototype_id"])
-    return {"index": index, "position": position, "token_id": token, "token": studio.tokenizer.decode([token]),
+    return {"index": index, "in_prompt": in_prompt, "position": position, "token_id": token,
+            "token": studio.tokenizer.decode([token]),
             "prototype_ids": [int(i) for i in ids], "n_sequences": cached.n_sequences, "sequences": sequences,
             "message": None}
 
@@ -112,14 +115,16 @@ def attribution_panel(studio: Studio, run: str, index, session) -> tuple[str, di
     """Gradio handler: (panel HTML, data) for the selected token of the original or intervened text."""
     try:
         if run not in RUNS:
-            raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
-        gen = session.original if run == "original" else session.intervened
+            raise AppError(f"run must be 'original', 'intervened' or 'prompt', got {limits.shown(run)}")
+        gen = session.intervened if run == "intervened" else session.original
         if gen is None:
-            raise AppError("generate first" if run == "original" else "there is no intervened text")
-        data = attribute_token(studio, gen, limits.whole("the token index", index, -2**31, 2**31, default=0))
+            raise AppError("there is no intervened text" if run == "intervened" else "generate first")
+        data = attribute_token(studio, gen, limits.whole("the token index", index, -2**31, 2**31, default=0),
+                               in_prompt=run == "prompt")
     except AppError as err:
         return f'<p class="prism-attribution-status">{html.escape(problem(err))}</p>', None
-    head = (f'<p class="prism-attribution-status"><b>Training data behind token {data["index"]} '
+    which = "prompt token" if run == "prompt" else "token"
+    head = (f'<p class="prism-attribution-status"><b>Training data behind {which} {data["index"]} '
             f'{html.escape(repr(data["token"]))}</b>: the training sequences whose loss gradient, through the '
             f'token\'s active prototypes {", ".join(f"#{p}" for p in data["prototype_ids"])} and those co-used with '
             f'them, most lowered its loss '

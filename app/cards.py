@@ -16,6 +16,7 @@ from app.panels import CardPanel
 
 N_TOP, N_BAND = 12, 4  # contexts a card shows: the top ones, then N_BAND from the middle and N_BAND from the low end
 NO_PROTOTYPE = "Pick a prototype: click a token, a table row, a chart's bar or a point on the map."
+NO_CARD_PLOT = "no prototype selected"  # the card's charts before a prototype is picked
 
 
 @guarded
@@ -23,7 +24,7 @@ def prototype(studio: Studio, prototype_id: float | str | None):
     """A prototype's card (CardPanel: markdown, signature plot, histogram plot, evidence html, card json)."""
     try:
         if prototype_id is None or str(prototype_id).strip() == "":
-            empty = plots.empty_figure("no prototype selected")
+            empty = plots.empty_figure(NO_CARD_PLOT)
             return CardPanel(NO_PROTOTYPE, empty, empty, "", None)
         card = studio.need_db().card(prototype_id, n_evidence=N_TOP, n_band=N_BAND)
         raises, lowers = studio.signature_ends(card.prototype_id)

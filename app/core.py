@@ -109,18 +109,32 @@ class WhyChanged:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class Target:
+    """The token a click means (Studio.target): its index, the position whose logits scored it, its id."""
+
+    index: int  # generated-token index, or the prompt token's index in the prompt
+    position: int  # sequence position whose logits chose (predicted) it
+    token_id: int
+    stream_logit: float | None  # the logit generation chose it from; None for a prompt token
+    in_prompt: bool
+
+
 @dataclass
 class TokenView:
-    index: int  # generated-token index
-    position: int  # sequence position whose logits chose the token
+    index: int  # generated-token index (a prompt token's index in the prompt when in_prompt)
+    position: int  # sequence position whose logits chose (or, for a prompt token, predicted) the token
     chosen: TokenDecomposition
     alternatives: list[TokenDecomposition]  # the top tokens at that position, chosen one included, by logit
-    stream_logit: float  # the logit stream() chose the token from (KV-cached; equal up to float noise)
+    stream_logit: float | None  # the logit stream() chose the token from (KV-cached; equal up to float noise);
+    #                             None for a prompt token, which no generation chose
     carried: Carried | None = None  # None when the two logits tie (no choice to share out)
     why: WhyChanged | None = None  # for a token of an intervened text explained against the original
+    in_prompt: bool = False  # a token of the prompt: what the model expected there, from the text before it
 
     def as_dict(self) -> dict:
-        return {"index": self.index, "position": self.position, "stream_logit": self.stream_logit,
+        return {"index": self.index, "position": self.position, "in_prompt": self.in_prompt,
+                "stream_logit": self.stream_logit,
                 "chosen": self.chosen.as_dict(), "alternatives": [a.as_dict() for a in self.alternatives],
                 "carried": self.carried.as_dict() if self.carried else None}
 
@@ -292,36 +306,56 @@ class Studio:
                 self._states[gen] = z
         return z
 
-    def state(self, gen: Generation, index: int) -> torch.Tensor:
-        """z (d,) at the position that chose generated token `index`: the state the generation itself computed
-        when it was kept, else from one forward pass over the text (final_states). The same value up to float
-        rounding (a cached forward vs a full one), so the slices still add up to the logit shown."""
-        index, position = self.token_position(gen, index)
-        state = gen.steps[index].state
-        return state if state is not None else self.final_states(gen)[position]
+    def state(self, gen: Generation, index: int, in_prompt: bool = False) -> torch.Tensor:
+        """z (d,) at the position that chose generated token `index` (or predicted prompt token `index`): the
+        state the generation itself computed when it was kept, else from one forward pass over the text
+        (final_states). The same value up to float rounding (a cached forward vs a full one), so the slices still
+        add up to the logit shown."""
+        target = self.target(gen, index, in_prompt)
+        state = None if in_prompt else gen.steps[target.index].state
+        return state if state is not None else self.final_states(gen)[target.position]
 
     def token_position(self, gen: Generation, index) -> tuple[int, int]:
         """(generated-token index, the sequence position whose logits chose it); AppError for a bad index."""
+        target = self.target(gen, index)
+        return target.index, target.position
+
+    def target(self, gen: Generation, index, in_prompt: bool = False) -> Target:
+        """Which token a click means: generated token `index`, or with in_prompt the prompt's token `index`, which
+        the model predicted from the prompt before it (so the first prompt token has no explanation); AppError
+        with the valid range for a bad index."""
         index = limits.whole("the token index", index, -2**31, 2**31)
-        if not 0 <= index < len(gen.steps):
-            raise AppError(f"there is no generated token {index}: this text has {len(gen.steps)}")
-        return index, len(gen.prompt_ids) + index - 1
+        if not in_prompt:
+            if not 0 <= index < len(gen.steps):
+                raise AppError(f"there is no generated token {index}: this text has {len(gen.steps)}")
+            step = gen.steps[index]
+            return Target(index, len(gen.prompt_ids) + index - 1, step.token_id, step.logit, False)
+        n = len(gen.prompt_ids)
+        if n < 2:
+            raise AppError("the prompt is one token: no text comes before it to predict it from")
+        if index == 0:
+            raise AppError(f"prompt token 0 is the first: no text comes before it to predict it from "
+                           f"(explain prompt tokens 1 to {n - 1})")
+        if not 0 < index < n:
+            raise AppError(f"there is no prompt token {index}: the prompt has {n} tokens (explain 1 to {n - 1})")
+        return Target(index, index - 1, gen.prompt_ids[index], None, True)
 
     def explain(self, gen: Generation, index, original: Generation | None = None,
-                n_alternatives: int = 5) -> TokenView:
+                n_alternatives: int = 5, in_prompt: bool = False) -> TokenView:
         """Generated token `index` of gen explained by one call into the library (prism.explain.explain_token):
         its decomposition, the top alternatives, the share carried over the runner-up and, with `original` (gen
-        then being the intervened text), why the interventions changed it (view.why)."""
-        index, position = self.token_position(gen, index)
-        step = gen.steps[index]
-        against = None if original is None else (original.token_ids, gen.token_ids, index)
-        ex = explain_token(self.model, self.state(gen, index), step.token_id, gen.interventions, n_alternatives,
-                           against=against, decode=self.decode)
+        then being the intervened text), why the interventions changed it (view.why). With in_prompt, the
+        prompt's token `index`: the same split of the logit the model gave it after the prompt before it (under
+        gen's interventions; no 'why it changed')."""
+        target = self.target(gen, index, in_prompt)
+        against = None if original is None or in_prompt else (original.token_ids, gen.token_ids, target.index)
+        ex = explain_token(self.model, self.state(gen, target.index, in_prompt), target.token_id,
+                           gen.interventions, n_alternatives, against=against, decode=self.decode)
         views = {d.token_id: replace(self._decomposition(d), probability=ex.probabilities.get(d.token_id))
                  for d in ex.alternatives}
-        return TokenView(index=index, position=position, chosen=views[step.token_id],
-                         alternatives=list(views.values()), stream_logit=step.logit, carried=ex.carried,
-                         why=None if ex.change is None else self._why(index, ex.change))
+        return TokenView(index=target.index, position=target.position, chosen=views[target.token_id],
+                         alternatives=list(views.values()), stream_logit=target.stream_logit, carried=ex.carried,
+                         why=None if ex.change is None else self._why(target.index, ex.change), in_prompt=in_prompt)
 
     def token_view(self, gen: Generation, index: int, n_alternatives: int = 5) -> TokenView:
         """Decomposition of generated token `index` and of the top alternatives at its position."""
@@ -348,13 +382,14 @@ class Studio:
         token, note = self.token_of(text)
         return self.decode(token), explain.pushers(self.model, token, top), note
 
-    def contrast(self, gen: Generation, index, other) -> tuple[explain.Contrast, str]:
-        """Why generated token `index` and not the token `other` (text) at its position: prism.explain.Contrast
-        (margin = residual + one part per prototype, exactly) and a note when `other` was several tokens."""
-        index, _ = self.token_position(gen, index)
+    def contrast(self, gen: Generation, index, other, in_prompt: bool = False) -> tuple[explain.Contrast, str]:
+        """Why generated token `index` (with in_prompt: prompt token `index`) and not the token `other` (text) at
+        its position: prism.explain.Contrast (margin = residual + one part per prototype, exactly) and a note when
+        `other` was several tokens."""
+        target = self.target(gen, index, in_prompt)
         token, note = self.token_of(other)
-        return explain.contrast_tokens(self.model, self.state(gen, index), gen.steps[index].token_id, token,
-                                       gen.interventions), note
+        return explain.contrast_tokens(self.model, self.state(gen, target.index, in_prompt), target.token_id,
+                                       token, gen.interventions), note
 
     @torch.no_grad()
     def signature_ends(self, prototype_id, n: int = 10) -> tuple[list[dict], list[dict]]:

@@ -24,6 +24,7 @@ import html
 import json
 import logging
 import math
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from app.core import (
 from app.generation import never_active
 from app.messages import guarded, ok, problem
 from app.panels import (  # CardPanel: app/ui.py reads the card's outputs here
-    CardPanel,  # noqa: F401
+    CardPanel,
     ClearPanel,
     GenerationPanel,
     PendingPanel,
@@ -57,7 +58,8 @@ from app.session import Session
 
 logger = logging.getLogger(__name__)
 
-RUNS = ("original", "intervened")
+PROMPT = "prompt"  # the run that names a prompt token: what the model expected there, from the text before it
+RUNS = ("original", "intervened", PROMPT)
 CHANGED = "changed by intervention"
 NEWLINE = "⏎\n"  # a line break inside a token: a mark to click, then the break itself (the page keeps it)
 # "relevance": a semantic search by similarity, a label search exact matches first; without a search, activations
@@ -106,6 +108,11 @@ def _generation_json(gen: Generation | None) -> dict | None:
 # Handlers: generation and tokens.
 
 
+# Stop's answer and the generation's last updates run in different threads: the few lines that decide which of
+# them writes the stopped text hold this lock (one for all sessions: each holds it for a few assignments)
+_STOP_LOCK = threading.Lock()
+
+
 class RunControl:
     """One browser session's Stop button (a mutable value in its own gr.State, never shared between sessions): Stop
     asks the running generation to end after its current token, and the generation itself writes the last
@@ -113,14 +120,20 @@ class RunControl:
 
     The page numbers a run when Generate is clicked (announce, outside the queue), so a Stop pressed while the run
     still waits for the model reaches it. Stop also sends how many tokens each column shows: the run keeps at most
-    one more, however far the model had run ahead of the page (tokens on their way are dropped, not shown)."""
+    one more, however far the model had run ahead of the page (tokens on their way are dropped, not shown).
+
+    A run that has written all its tokens records them (finish) before its last update leaves, so a Stop that
+    arrives from then on (the page lagging behind the stream) cuts them, in its own answer and, when the run has
+    not ended yet, in one more update of the run (late_cut): whichever of the two lands last, the page ends cut."""
 
     def __init__(self) -> None:
         self.run = 0
         self.announced = False
         self.stop_run = -1
         self.keep: dict[str, int] = {}
-        self.finished: tuple[int, list[str], str] | None = None
+        # (run, {column: text}, the columns it streamed, the intervened column's title) of the last finished run
+        self.finished: tuple[int, dict, list[str], str] | None = None
+        self.cut: tuple[int, dict] | None = None  # (run, {column: text as a late Stop cut it})
 
     def announce(self) -> int:
         """Generate was clicked: the run it queues gets its number now."""
@@ -143,19 +156,37 @@ class RunControl:
     def stopped(self, run: int) -> bool:
         return self.stop_run == run
 
-    def finish(self, run: int, streamed: list[str], column: str) -> None:
-        """Run `run` wrote its last update without being stopped: it streamed the columns `streamed`."""
-        self.finished = (run, list(streamed), column)
-
-    def late_stop(self, shown: dict | None) -> tuple[list[str], str] | None:
-        """Stop pressed: ask the current run to end (stop), and when that run has already finished (the page
-        lagged behind it), the columns it streamed and its column title, for the caller to cut once."""
-        self.stop(shown)
-        done = self.finished
-        if done is None or done[0] != self.run or not self.keep:
+    def finish(self, run: int, texts: dict, streamed: list[str], column: str) -> dict | None:
+        """Run `run` has written all it will (texts: {column: Generation}; it streamed the columns `streamed`),
+        just before its last update. None when it was not stopped; else, a Stop having come since its last look,
+        the texts cut to what that Stop may keep."""
+        with _STOP_LOCK:
+            if self.stopped(run):
+                return {name: self.kept(name, gen) if name in streamed else gen for name, gen in texts.items()}
+            self.finished = (run, dict(texts), list(streamed), column)
             return None
-        self.finished = None  # a second Stop cuts nothing more
-        return done[1], done[2]
+
+    def late_stop(self, shown: dict | None) -> tuple[dict, str] | None:
+        """Stop pressed: ask the current run to end (stop), and when that run has already written all its tokens
+        (the page lagged behind it), ({column: text cut to what the page showed plus one}, the column title) for
+        the caller to write. None when there is nothing to cut."""
+        with _STOP_LOCK:
+            self.stop(shown)
+            done = self.finished
+            if done is None or done[0] != self.run or not self.keep:
+                return None
+            self.finished = None  # a second Stop cuts nothing more
+            run, texts, streamed, column = done
+            cut = {name: self.kept(name, gen) if name in streamed else gen for name, gen in texts.items()}
+            if all(cut[name] is texts[name] for name in streamed):
+                return None  # the page already shows the whole text: nothing to stop
+            self.cut = (run, cut)
+            return cut, column
+
+    def late_cut(self, run: int) -> dict | None:
+        """The texts a late Stop cut from run `run` (asked by the run after its last update), else None."""
+        with _STOP_LOCK:
+            return self.cut[1] if self.cut is not None and self.cut[0] == run else None
 
     def kept(self, name: str, gen: Generation | None) -> Generation | None:
         """gen cut to the tokens the stopped run may keep in column `name`."""
@@ -210,12 +241,15 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
                 for name, _ in streams:
                     current[name] = control.kept(name, current[name])
                 break
+            wrote = False
             for name, stream in list(active):
                 gen = next(stream, None)
                 if gen is None:
                     active.remove((name, stream))
                     continue
-                current[name] = gen
+                current[name], wrote = gen, True
+            if not wrote:
+                break  # every stream ended: the last update follows
             status = _generation_status(studio, current)
             session = replace(session, original=current["original"], intervened=current["intervened"],
                               selected=None)
@@ -227,11 +261,18 @@ def generate(studio: Studio, prompt: str, max_new_tokens: float, temperature: fl
     original, intervened = current["original"], current["intervened"]
     if original is None and not stopped:  # nothing streamed: the stored original is reused, no interventions
         original = session.original
+    if control is not None and not stopped:
+        # all written: from here a Stop cuts these texts (RunControl.finish), also one that came after the loop's
+        # last look
+        cut = control.finish(run, {"original": original, "intervened": intervened},
+                             [name for name, _ in streams], column)
+        if cut is not None:
+            original, intervened, stopped = cut["original"], cut["intervened"], True
     yield _final_panel(studio, original, intervened, column, session, stopped)
     if control is not None and not stopped:
-        # after the last update: Gradio asks for the next one only once it has stored and sent that one, so the
-        # session a late Stop reads is this run's whole text
-        control.finish(run, [name for name, _ in streams], column)
+        late = control.late_cut(run)
+        if late is not None:  # a Stop came while the last update was on its way: it must not be the last word
+            yield _final_panel(studio, late["original"], late["intervened"], column, session, stopped=True)
 
 
 def _final_panel(studio: Studio, original: Generation | None, intervened: Generation | None, column: str,
@@ -285,18 +326,14 @@ def request_stop(studio: Studio, control: RunControl, shown: str | None = None, 
     """Stop: the running generation of this session ends after its current token (it writes the last update) and
     keeps at most one token more per column than `shown` (JSON {column: tokens on the page}, from STOP_JS).
 
-    A page under load can lag behind the server's stream: when Stop arrives after the run has already ended, the
-    text it streamed is cut here to what the page showed plus one, and this answer writes the columns (the status
-    says 'Stopped'). Otherwise every field is left as it is (GenerationPanel of gr.skip)."""
-    counts = _shown_counts(shown)
-    late = control.late_stop(counts)
+    A page under load can lag behind the server's stream: when Stop arrives after the run has written all its
+    tokens, the text it streamed is cut here to what the page showed plus one, and this answer writes the columns
+    (the status says 'Stopped'; RunControl.late_stop). Otherwise every field is left as it is (GenerationPanel of
+    gr.skip)."""
+    late = control.late_stop(_shown_counts(shown))
     if late is None or session is None:
         return skipped(GenerationPanel)
-    names, column = late
-    cut = {name: control.kept(name, getattr(session, name)) if name in names else getattr(session, name)
-           for name in ("original", "intervened")}
-    if all(cut[name] is getattr(session, name) for name in names):
-        return skipped(GenerationPanel)  # the page already shows the whole text: nothing to stop
+    cut, column = late
     return _final_panel(studio, cut["original"], cut["intervened"], column, session, stopped=True)
 
 
@@ -348,14 +385,35 @@ def select_intervened(evt: gr.SelectData):
     return "intervened", int(evt.index)
 
 
-def _text_of(session: Session, run) -> Generation:
-    """The session's original or intervened text, as the page names it; AppError when it has none."""
-    if run not in RUNS:
-        raise AppError(f"run must be 'original' or 'intervened', got {limits.shown(run)}")
-    gen = session.original if run == "original" else session.intervened
+@guarded
+def select_prompt(evt: gr.SelectData):
+    """A click on a prompt token -> (run, index) for decompose."""
+    return PROMPT, int(evt.index)
+
+
+PROMPT_FIRST = "first token: nothing before it"
+PROMPT_TOKEN = "prompt"
+
+
+def prompt_tokens(studio: Studio, session: Session | None) -> list:
+    """HighlightedText value: the prompt the original text continued, token by token, each clickable; the first
+    is marked (no text comes before it to predict it from)."""
+    gen = None if session is None else session.original
     if gen is None:
-        raise AppError("generate first" if run == "original" else
-                       "there is no intervened text: add an intervention and generate again")
+        return []
+    return [(studio.decode(t).replace("\r\n", "\n").replace("\n", NEWLINE), PROMPT_TOKEN if i else PROMPT_FIRST)
+            for i, t in enumerate(gen.prompt_ids)]
+
+
+def _text_of(session: Session, run) -> Generation:
+    """The session's original or intervened text, as the page names it (for 'prompt' the original, whose prompt
+    the plain model reads); AppError when it has none."""
+    if run not in RUNS:
+        raise AppError(f"run must be 'original', 'intervened' or 'prompt', got {limits.shown(run)}")
+    gen = session.intervened if run == "intervened" else session.original
+    if gen is None:
+        raise AppError("there is no intervened text: add an intervention and generate again" if
+                       run == "intervened" else "generate first")
     return gen
 
 
@@ -365,7 +423,8 @@ def decompose(studio: Studio, run: str, index: float, session: Session):
     top prototype's id to open its card, session, the data as JSON), from one call into the library."""
     try:
         gen = _text_of(session, run)
-        view = studio.explain(gen, index, original=session.original if run == "intervened" else None)
+        view = studio.explain(gen, index, original=session.original if run == "intervened" else None,
+                              in_prompt=run == PROMPT)
     except AppError as err:
         empty = plots.empty_figure(str(err))
         return TokenPanel(empty, empty, problem(err), [], None, session, None)
@@ -385,7 +444,7 @@ def contrast(studio: Studio, run: str, index, other, session: Session):
     """Why the explained token and not `other` (a token typed as text) at the same position: (figure, summary,
     data). The gap between their logits splits exactly into the residual's part and one part per prototype."""
     try:
-        c, note = studio.contrast(_text_of(session, run), index, other)
+        c, note = studio.contrast(_text_of(session, run), index, other, in_prompt=run == PROMPT)
     except AppError as err:
         return plots.empty_figure(str(err)), problem(err), None
     a, b = studio.decode(c.token_a), studio.decode(c.token_b)
@@ -517,16 +576,29 @@ def map_plot(studio: Studio, text: str = "", table=None, card: dict | None = Non
         return plots.empty_figure(str(err))
 
 
-@guarded
-def deep_link(request: gr.Request):
-    """?prototype=ID opens that prototype's card and the browser tab."""
+def _linked_prototype(request: gr.Request | None) -> int | None:
     raw = request.query_params.get("prototype") if request is not None else None
     try:
-        pid = int(raw) if raw is not None else None
+        return int(raw) if raw is not None else None
     except ValueError:
-        pid = None
-    # without a link leave the tabs alone: the user may already have switched tab when this arrives
-    return pid, (gr.Tabs(selected="browse") if pid is not None else gr.update())
+        return None
+
+
+@guarded
+def deep_link(request: gr.Request):
+    """?prototype=ID opens that prototype's card and the browser tab. Without a link the id box and the tabs are left
+    alone: the page's load event can land after the user has typed an id or switched tab, and must not undo that."""
+    pid = _linked_prototype(request)
+    if pid is None:
+        return gr.skip(), gr.skip()
+    return pid, gr.Tabs(selected="browse")
+
+
+def deep_link_card(studio: Studio, prototype_id, request: gr.Request = None):
+    """The card a ?prototype=ID link opens (CardPanel); without a link the card on screen stays as it is."""
+    if _linked_prototype(request) is None:
+        return skipped(CardPanel)
+    return prototype(studio, prototype_id)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -547,11 +619,11 @@ def share_link(studio: Studio, prompt: str, max_new_tokens: float, temperature: 
     """A URL restoring the prompt, settings, seed, interventions and the explained token. Returns (url, status)."""
     try:
         settings = _settings(studio, prompt, max_new_tokens, temperature, top_p, seed)
-        studio.encode_prompt(settings)  # the same checks as Generate: a link always restores something usable
+        ids, _, _ = studio.encode_prompt(settings)  # the same checks as Generate: a link restores something usable
         selected = None
         if isinstance(token, dict) and token.get("index") is not None and run in RUNS:
-            index = limits.whole("the explained token's index", token["index"], 0, settings.max_new_tokens - 1)
-            selected = (run, index)
+            low, high = (1, len(ids) - 1) if run == PROMPT else (0, settings.max_new_tokens - 1)
+            selected = (run, limits.whole("the explained token's index", token["index"], low, high))
         link = share.encode_link(studio, settings, session, selected)
         share.decode_link(studio, link)  # opened by the same rules it was made by: a link it gives always opens
         url = f"{_base_url(request)}?{share.PARAM}={link}"

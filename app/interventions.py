@@ -40,34 +40,43 @@ def _intervened(studio: Studio, session: Session, make) -> InterventionsPanel:
                                                           "to compare."))
 
 
+def suppressed(studio: Studio, prototype_id):
+    """One checked suppress item (the page's Suppress, and the tools' suppress lists)."""
+    pid = studio.check_prototype(prototype_id)
+    return suppress_item(pid, studio.label(pid)[0])
+
+
+def scaled(studio: Studio, prototype_id, factor):
+    """One checked scale item: a finite factor in [0, MAX_SCALE]."""
+    pid = studio.check_prototype(prototype_id)
+    return scale_item(pid, limits.number("the scale factor", factor, 0, MAX_SCALE), studio.label(pid)[0])
+
+
+def injected(studio: Studio, prototype_id, activation):
+    """One checked inject item: an activation in (0, MAX_INJECT]."""
+    pid = studio.check_prototype(prototype_id)
+    value = limits.number("the injected activation", activation, 0, MAX_INJECT)
+    if value <= 0:
+        raise AppError(f"the injected activation must be above 0 (at most {MAX_INJECT:g}); to switch a "
+                       "prototype off, suppress it")
+    return inject_item(pid, value, studio.label(pid)[0])
+
+
 @guarded
 def suppress(studio: Studio, prototype_id, session: Session):
-    return _intervened(studio, session, lambda: suppress_item(studio.check_prototype(prototype_id),
-                                                              studio.label(studio.check_prototype(prototype_id))[0]))
+    return _intervened(studio, session, lambda: suppressed(studio, prototype_id))
 
 
 @guarded
 def scale(studio: Studio, prototype_id, factor: float, session: Session):
-    def make():
-        pid = studio.check_prototype(prototype_id)
-        return scale_item(pid, limits.number("the scale factor", factor, 0, MAX_SCALE), studio.label(pid)[0])
-
-    return _intervened(studio, session, make)
+    return _intervened(studio, session, lambda: scaled(studio, prototype_id, factor))
 
 
 @guarded
 def inject(studio: Studio, prototype_id, activation: float, session: Session):
     """Prototype `prototype_id` active at every token with `activation`, selected there or not: its slice
     activation * W p enters every logit (steering with a prototype the text never reaches)."""
-    def make():
-        pid = studio.check_prototype(prototype_id)
-        value = limits.number("the injected activation", activation, 0, MAX_INJECT)
-        if value <= 0:
-            raise AppError(f"the injected activation must be above 0 (at most {MAX_INJECT:g}); to switch a "
-                           "prototype off, suppress it")
-        return inject_item(pid, value, studio.label(pid)[0])
-
-    return _intervened(studio, session, make)
+    return _intervened(studio, session, lambda: injected(studio, prototype_id, activation))
 
 
 @guarded

@@ -8,12 +8,13 @@ sets them from its flags.
 
 The request limit works in front of Gradio's queue (RequestLimiter, an ASGI middleware): each browser session
 (Gradio's session hash) gets a token bucket and a cap on events waiting or running at once, so a flooding session
-is refused with HTTP 429 and a message instead of filling the queue that everyone shares. A client that invents
-a new session hash per request is not caught by this (that needs a per-address limit in the proxy in front).
+is refused with HTTP 429 and a message instead of filling the queue that everyone shares. New sessions are limited
+per client address, and a new session never pushes an active one out of Gradio's session store.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -50,7 +51,10 @@ class Limits:
     # group first come, first served, so this is what bounds another user's wait behind a flood.
     max_pending_model: int = 2
     session_ttl_s: int = 1800  # an idle session's state (texts, interventions) is dropped after this
-    max_sessions: int = 1000  # sessions whose state is kept at once (the oldest go first)
+    max_sessions: int = 1000  # sessions whose state is kept at once (the least recently used go first)
+    # A session that sent a request this recently is active: a new session never pushes it out of the store. When
+    # max_sessions sessions are all active, new pages are refused with a message until one goes quiet.
+    active_session_s: int = 600
     # New sessions per client address: a page load makes one, so a visitor opening pages now and then never meets
     # this, while minting fresh session hashes to push others' sessions out of the store is held to this rate.
     new_sessions_per_minute: float = 20.0
@@ -88,6 +92,7 @@ class Limits:
             "max_pending_model": "model events (generate, explain, training data) of one session queued at once",
             "session_ttl_s": "an idle session's state is dropped after this many seconds",
             "max_sessions": "sessions whose state is kept at once",
+            "active_session_s": "a session heard from this recently is never pushed out by a new one",
             "new_sessions_per_minute": "new sessions one client address may open per minute, sustained",
             "new_sessions_burst": "new sessions one client address may open at once",
             "trusted_proxies": "proxies that append to X-Forwarded-For in front of the app (on a Space)",
@@ -214,7 +219,9 @@ class SessionBuckets:
 
 
 # Gradio's routes that start work: joining the queue, the queue-less route, the REST API and uploads.
-LIMITED_SUFFIXES = ("/queue/join", "/run/predict", "/upload")
+# /component_server builds a session's state too (Gradio keys it by the body's session hash), so it is limited
+# like a join: otherwise fresh hashes sent there would push others' sessions out of the store
+LIMITED_SUFFIXES = ("/queue/join", "/run/predict", "/upload", "/component_server", "/component_server/")
 LIMITED_PARTS = ("/call/",)
 # Gradio's direct routes, /run/<api name> and /api/<api name>, run an event outside the queue (on a Space Gradio
 # closes them; elsewhere it does not): closed here wherever the app runs. /run/predict (the page's queue-less
@@ -235,15 +242,20 @@ class RequestLimiter:
 
     def __init__(self, app, limits: Limits,
                  pending: Callable[[str, int | None], tuple[int, int, bool]] | None = None,
-                 known_event: Callable[[int], bool] | None = None) -> None:
+                 known_event: Callable[[int], bool] | None = None,
+                 n_inputs: Callable[[int], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.limits = limits
         self.buckets = SessionBuckets(limits.requests_per_s, limits.burst)
         self.new_sessions = SessionBuckets(limits.new_sessions_per_minute / 60, limits.new_sessions_burst)
-        self.known_sessions: OrderedDict[str, None] = OrderedDict()  # the latest 4 x max_sessions hashes seen
+        # the latest 4 x max_sessions hashes seen, least recently heard from first, with when
+        self.known_sessions: OrderedDict[str, float] = OrderedDict()
         self._known_lock = threading.Lock()
+        self.clock = clock
         self.pending = pending or (lambda _session, _fn: (0, 0, False))
         self.known_event = known_event or (lambda _fn: True)
+        self.n_inputs = n_inputs  # how many values a known event takes (a join sends one per input, states too)
         self.refused = 0  # how many requests were refused (for the log and the tests)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -266,20 +278,40 @@ class RequestLimiter:
             if body is None:
                 await _refuse(send, 413, "This request is too large.")
                 return
-            session, fn_index = _session_and_fn(body)
+            session, fn_index, n_values = _session_fn_and_values(body)
             if fn_index is not None and not self.known_event(fn_index):
                 self.refused += 1
                 await _refuse(send, 404, "No such event on this page: reload the page.")
                 return
+            if fn_index is not None and self.n_inputs is not None and path.endswith("/queue/join"):
+                expected = self.n_inputs(fn_index)
+                if n_values != expected:
+                    self.refused += 1
+                    sent = "no list of values" if n_values is None else f"{n_values} value(s)"
+                    await _refuse(send, 422, f"This request sends {sent}; the event takes {expected}: reload "
+                                             "the page.")
+                    return
         address = _address(scope, self.limits.trusted_proxies)
-        if session is not None and not self._seen(session):
+        # /call/<api> without a session hash runs under a new one each time (Gradio takes the event's id): a new
+        # session like a page's first request
+        new = (session is None and any(p in path for p in LIMITED_PARTS)) or \
+            (session is not None and not self._seen(session))
+        if new:
+            if self._all_active():
+                # Gradio's store drops the least recently used session for a new one: here that would be a page
+                # someone is using, so the newcomer waits instead
+                self.refused += 1
+                await _refuse(send, 503, "This app has as many pages open as it can hold: try again in a few "
+                                         "minutes.")
+                return
             wait = self.new_sessions.take(address)
             if wait > 0:
                 self.refused += 1
                 await _refuse(send, 429, f"Too many new pages from this address: wait {math.ceil(wait)} s and "
                                          "reload.")
                 return
-            self._remember(session)
+            if session is not None:
+                self._remember(session)
         key = f"session:{session}" if session else address
         wait = self.buckets.take(key)
         if wait > 0:
@@ -305,13 +337,24 @@ class RequestLimiter:
     def _seen(self, session: str) -> bool:
         with self._known_lock:
             if session in self.known_sessions:
+                self.known_sessions[session] = self.clock()
                 self.known_sessions.move_to_end(session)
                 return True
             return False
 
+    def _all_active(self) -> bool:
+        """Whether the max_sessions most recently heard-from sessions were all heard from within active_session_s:
+        a new session would then push an active one out of Gradio's store."""
+        cutoff = self.clock() - self.limits.active_session_s
+        with self._known_lock:
+            if len(self.known_sessions) < self.limits.max_sessions:
+                return False
+            recent = itertools.islice(reversed(self.known_sessions.values()), self.limits.max_sessions)
+            return all(when >= cutoff for when in recent)
+
     def _remember(self, session: str) -> None:
         with self._known_lock:
-            self.known_sessions[session] = None
+            self.known_sessions[session] = self.clock()
             while len(self.known_sessions) > 4 * self.limits.max_sessions:
                 self.known_sessions.popitem(last=False)
 
@@ -346,17 +389,19 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def _session_and_fn(body: bytes) -> tuple[str | None, int | None]:
-    """The session hash and the event number a join or predict body names (None where it names none)."""
+def _session_fn_and_values(body: bytes) -> tuple[str | None, int | None, int | None]:
+    """The session hash, the event number and how many input values a join or predict body names (None where it
+    names none, or its values are not a list)."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None, None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None, None, None
     if not isinstance(data, dict):
-        return None, None
-    session, fn_index = data.get("session_hash"), data.get("fn_index")
+        return None, None, None
+    session, fn_index, values = data.get("session_hash"), data.get("fn_index"), data.get("data")
     return (session if isinstance(session, str) and session else None,
-            fn_index if isinstance(fn_index, int) and not isinstance(fn_index, bool) else None)
+            fn_index if isinstance(fn_index, int) and not isinstance(fn_index, bool) else None,
+            len(values) if isinstance(values, list) else None)
 
 
 def _address(scope, trusted_proxies: int = 1) -> str:

@@ -57,6 +57,42 @@ def guarded(fn):
     return wrapped
 
 
+def checked_inputs(demo: gr.Blocks) -> None:
+    """Every input component of `demo` answers a value the page never sends (a hand-made API call: a table that
+    is not one, a number past a slider's end) with a short gr.Error and one log line. Left alone, Gradio prints a
+    traceback for each, and with show_error=False the caller reads an error without a message."""
+    seen: set[int] = set()
+    for fn in demo.fns.values():
+        for block in fn.inputs:
+            if block._id not in seen and callable(getattr(block, "preprocess", None)):
+                seen.add(block._id)
+                block.preprocess = _checked(block)
+
+
+def _checked(block):
+    preprocess = block.preprocess
+    name = str(getattr(block, "label", None) or getattr(block, "elem_id", None) or type(block).__name__.lower())
+
+    @functools.wraps(preprocess)
+    def checked(payload):
+        try:
+            return preprocess(payload)
+        except gr.Error as err:  # Gradio's own check (a slider's range): its message is fine, its traceback not
+            logger.info("input %r refused: %s", name, short(err.message))
+            err.print_exception = False
+            raise
+        except Exception as err:  # noqa: BLE001 - a malformed value: say which input, never the raw exception
+            logger.info("input %r refused: %s: %s", name, type(err).__name__, short(err))
+            raise gr.Error(f"'{_cut(name)}' got a value this page never sends: reload the page.",
+                           print_exception=False) from None
+
+    return checked
+
+
+def _cut(name: str, max_chars: int = 40) -> str:
+    return name if len(name) <= max_chars else name[:max_chars - 1] + "…"
+
+
 MAX_MESSAGE_CHARS = 200  # a status line; an input quoted in a message is cut far shorter (limits.shown)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
+from app import render
 from app.core import NO_PROTOTYPE, UNLABELLED, TokenDecomposition, TokenView
 from precompute.query import PrototypeCard
 from precompute.schema import CATEGORIES
@@ -102,7 +103,8 @@ def alternatives_figure(view: TokenView) -> go.Figure:
                     hovertext=[f"{t}: #{pid} {label} {v:+.4f}" for t, v in zip(tokens, values)])
     fig.add_scatter(y=tokens, x=[a.logit for a in view.alternatives], mode="markers+text", name="logit (= the sum)",
                     marker=dict(symbol="diamond", size=12, color="black", line=dict(color="white", width=1)),
-                    text=[f"{a.logit:.3f}" + ("" if a.probability is None else f" (p {a.probability:.2f})")
+                    text=[f"{a.logit:.3f}" + ("" if a.probability is None else
+                                              f" (p {render.probability(a.probability)})")
                           for a in view.alternatives], textposition="middle right",
                     cliponaxis=False, hoverinfo="text",
                     hovertext=[f"{t}: logit {a.logit:.4f}" for t, a in zip(tokens, view.alternatives)])

@@ -158,7 +158,7 @@ def proto_link(prototype_id: int, label: str) -> str:
     return f"[{html.escape(text)}](#prototype-{int(prototype_id)})"
 
 
-def carried_line(c) -> str:
+def carried_line(c, in_prompt: bool = False) -> str:
     """What the prototypes carry of the choice, in words (prism.explain.Carried), marked when the residual decides.
     A sampled token below the runner-up was not the model's choice: then the line splits the gap it lost by."""
     other = html.escape(repr(c.runner_up))
@@ -166,7 +166,7 @@ def carried_line(c) -> str:
     if c.prototypes > 1 or c.prototypes < 0:
         parts += " (the two pull opposite ways)"
     if c.gap < 0:
-        return f"Sampled below {other} (logit gap {c.gap:+.3f}); of that gap {parts}."
+        return f"{'Below' if in_prompt else 'Sampled below'} {other} (logit gap {c.gap:+.3f}); of that gap {parts}."
     text = f"Of this choice over {other} (logit gap {c.gap:+.3f}) {parts} carry."
     if c.residual_decides:
         text = ("⚠ **The residual decides this choice, not the prototypes**: the slices do not explain why this "
@@ -174,29 +174,42 @@ def carried_line(c) -> str:
     return text
 
 
+def probability(p: float) -> str:
+    """A probability to read: three decimals, or two significant digits below 0.001 (never a bare '0.000')."""
+    return f"{p:.3f}" if p >= 0.001 or p == 0 else f"{p:.1e}"
+
+
 def probability_note(d) -> str:
     """', probability 0.42' for a decomposition that carries one (the position's softmax), else nothing."""
-    return "" if d.probability is None else f", probability {d.probability:.3f}"
+    return "" if d.probability is None else f", probability {probability(d.probability)}"
 
 
 def token_summary(view, why) -> str:
     """The explained token in words: its sum, how it was chosen (with probabilities), what the prototypes carry of
     the choice, re-routing, and why it changed (app/core.py TokenView, WhyChanged)."""
     d = view.chosen
-    lines = [f"**Token {view.index}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
-             f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}** "
-             f"(while generating: {view.stream_logit:.4f})" + probability_note(d) + "."]
+    if view.in_prompt:
+        name, source = f"Prompt token {view.index}", " (what the model expected here from the prompt before it)"
+    else:
+        name, source = f"Token {view.index}", f" (while generating: {view.stream_logit:.4f})"
+    lines = [f"**{name}: {html.escape(repr(d.token))}** — residual {d.residual:+.4f} + "
+             f"{len(d.slices)} prototype slice(s) = **{d.total:.4f}**; the model's logit is **{d.logit:.4f}**"
+             f"{source}" + probability_note(d) + "."]
     others = [a for a in view.alternatives if a.token_id != d.token_id]
     if others:
         best = max(view.alternatives, key=lambda a: a.logit)
-        if best.token_id == d.token_id:
+        if view.in_prompt:  # the user wrote this token; the model only guessed
+            lines.append(f"The model's first guess here: {html.escape(repr(best.token))} at {best.logit:.4f}"
+                         f"{probability_note(best)}" + (" (this token)" if best.token_id == d.token_id else "")
+                         + ".")
+        elif best.token_id == d.token_id:
             lines.append(f"Chosen: the highest logit; next best {html.escape(repr(others[0].token))} at "
                          f"{others[0].logit:.4f}{probability_note(others[0])}.")
         else:
             lines.append(f"Chosen (sampled): {html.escape(repr(d.token))} at {d.logit:.4f}; highest logit "
                          f"{html.escape(repr(best.token))} at {best.logit:.4f}{probability_note(best)}.")
     if view.carried is not None:
-        lines.append(carried_line(view.carried))
+        lines.append(carried_line(view.carried, view.in_prompt))
     if d.rerouted_ids:
         lines.append(f"Re-routed here: {', '.join(f'#{p}' for p in d.removed_ids)} switched off, "
                      f"{', '.join(f'#{p}' for p in d.rerouted_ids)} took their slots (their slices are in the sum).")

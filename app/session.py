@@ -86,7 +86,7 @@ class Session:
     items: tuple[InterventionItem, ...] = ()
     original: Generation | None = None  # the last generation without interventions
     intervened: Generation | None = None  # the same settings with this session's interventions
-    selected: tuple[str, int] | None = None  # ("original" | "intervened", token index)
+    selected: tuple[str, int] | None = None  # ("original" | "intervened" | "prompt", token index)
     controller: ActivationController | None = None  # a loaded prototype controller (app/controllers.py)
     controller_on: bool = False  # whether the intervened text uses it
     controller_name: str | None = None  # its shipped name (app/controllers.py SHIPPED), None for other files

@@ -204,20 +204,27 @@ def decode_link(studio: Studio, token: str) -> Link:
     if not _int(seed) or not 0 <= seed <= MAX_SEED:
         raise LinkError(f"the link's seed must be a whole number in 0..{MAX_SEED}")
     session = parse_interventions(studio, data["interventions"], Session())
-    selected = data["selected"]
-    if selected is not None:
-        if not isinstance(selected, dict) or set(selected) != {"run", "index"} or \
-                selected["run"] not in ("original", "intervened") or not _int(selected["index"]) or \
-                not 0 <= selected["index"] < max_new:
-            raise LinkError("the link's selected token must be {run: original|intervened, index: 0..max_new_tokens-1}")
-        selected = (selected["run"], selected["index"])
     settings = GenerationSettings(prompt=prompt, max_new_tokens=max_new, temperature=float(temperature),
                                   top_p=float(top_p), seed=seed)
     try:  # the rules Generate and Copy link apply (text that is not valid UTF-8, a prompt of too many tokens, ...)
-        studio.encode_prompt(studio.check_settings(settings))
+        prompt_ids, _, _ = studio.encode_prompt(studio.check_settings(settings))
     except AppError as err:
         raise LinkError(f"the link's settings cannot be used: {err}") from None
-    return Link(settings=settings, session=session, selected=selected)
+    return Link(settings=settings, session=session, selected=_selected(data["selected"], max_new, len(prompt_ids)))
+
+
+def _selected(selected, max_new: int, n_prompt: int) -> tuple[str, int] | None:
+    """The link's explained token as (run, index), checked: a generated token 0..max_new-1 of either text, or a
+    prompt token 1..n_prompt-1 (the first has nothing before it to explain it)."""
+    if selected is None:
+        return None
+    ok = isinstance(selected, dict) and set(selected) == {"run", "index"} and _int(selected["index"]) and (
+        (selected["run"] in ("original", "intervened") and 0 <= selected["index"] < max_new)
+        or (selected["run"] == "prompt" and 1 <= selected["index"] < n_prompt))
+    if not ok:
+        raise LinkError("the link's selected token must be {run: original|intervened, index: 0..max_new_tokens-1} "
+                        "or {run: prompt, index: 1..prompt tokens-1}")
+    return selected["run"], selected["index"]
 
 
 def _int(x) -> bool:

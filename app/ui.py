@@ -16,10 +16,13 @@ from starlette.middleware import Middleware
 from app import controllers as app_controllers
 from app import handlers as h
 from app import interventions as iv
-from app import plots, training_data
+from app import plots, tools, training_data
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
+from app.cards import NO_CARD_PLOT
+from app.cards import NO_PROTOTYPE as NO_CARD
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
 from app.limits import Limits, RequestLimiter
+from app.messages import checked_inputs
 from app.panels import ControllerPanel, InterventionsPanel
 from app.session import MAX_INJECT, SUPPRESS_MODE_NAMES, Session
 
@@ -29,14 +32,24 @@ CSS = """
 .prism-band { margin: 10px 0 2px 0; }
 /* the two texts as text: each token a clickable span with its own spaces and line breaks, not a row of pills;
    font-size 0 around the token's text hides the blanks between Gradio's elements */
-#original .textfield, #intervened .textfield { display: block; word-break: normal; overflow-wrap: anywhere;
-  line-height: 1.7; font-size: 0; }
-#original .token-container, #intervened .token-container { display: inline; font-size: 0; }
-#original .token, #intervened .token { display: inline-block; padding: 0; margin: 0; font-size: 0;
-  max-width: 100%; vertical-align: top; }
-#original .token .text, #intervened .token .text { font-size: var(--text-md); white-space: pre-wrap;
-  background-color: inherit; border-radius: 2px; }
-#original .line-break, #intervened .line-break { display: block; }
+#original .textfield,
+#intervened .textfield,
+#prompt-tokens .textfield {
+  display: block; word-break: normal; overflow-wrap: anywhere; line-height: 1.7; font-size: 0; }
+#original .token-container,
+#intervened .token-container,
+#prompt-tokens .token-container { display: inline; font-size: 0; }
+#original .token,
+#intervened .token,
+#prompt-tokens .token {
+  display: inline-block; padding: 0; margin: 0; font-size: 0; max-width: 100%; vertical-align: top; }
+#original .token .text,
+#intervened .token .text,
+#prompt-tokens .token .text {
+  font-size: var(--text-md); white-space: pre-wrap; background-color: inherit; border-radius: 2px; }
+#original .line-break,
+#intervened .line-break,
+#prompt-tokens .line-break { display: block; }
 #prism-legend { font-size: 11px; line-height: 1.5; opacity: 0.85; }
 #prism-legend .chip { display: inline-block; width: 9px; height: 9px; border-radius: 2px; margin: 0 2px 0 6px;
   vertical-align: -1px; }
@@ -82,6 +95,9 @@ CLICK_JS = """
   });
 }
 """
+
+# The prompt's tokens: each one a muted colour, the first (nothing before it predicts it) paler still
+PROMPT_COLOURS = {h.PROMPT_TOKEN: "#cbd5e1", h.PROMPT_FIRST: "#f1f5f9"}
 
 INTRO = """# PRISM studio
 Every token's score splits **exactly** into a residual plus one slice per active prototype. Generate, click a token
@@ -150,6 +166,7 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
                 _interventions_panel(c, studio)
                 _controller_panel(c, studio)
         _wire(c, studio, concurrency, demo)
+    checked_inputs(demo)
     return demo
 
 
@@ -230,9 +247,13 @@ def _generate_panel(c: Components, studio: Studio) -> None:
                                elem_id="link", max_lines=1)
     c["export_file"] = gr.File(label="Download", interactive=False, elem_id="export-file", visible=False)
     with gr.Row():
-        c["run"] = gr.Radio(list(h.RUNS), value="original", label="Text", scale=1)
-        c["index"] = gr.Number(value=0, step=1, label="Token index", scale=1)
+        c["run"] = gr.Radio(list(h.RUNS), value="original", label="Text", scale=1, elem_id="run")
+        c["index"] = gr.Number(value=0, step=1, label="Token index", scale=1, elem_id="token-index")
         c["decompose_btn"] = gr.Button("Explain token", scale=1, elem_id="explain")
+    with gr.Accordion("The prompt, token by token (click one: what the model expected there)", open=False,
+                      elem_id="prompt-panel"):
+        c["prompt_tokens"] = gr.HighlightedText(color_map=PROMPT_COLOURS, show_legend=False, show_label=False,
+                                                show_inline_category=False, elem_id="prompt-tokens")
     c["token_md"] = gr.Markdown(elem_id="token-summary")
     c["waterfall"] = gr.Plot(label="Decomposition", elem_id="decomposition")
     c["alternatives"] = gr.Plot(label="Alternatives", elem_id="alternatives")
@@ -290,7 +311,8 @@ def _card_panel(c: Components) -> None:
                                       elem_id="inject-value", scale=2,
                                       info="active at every token, even where the model does not select it")
         c["inject_btn"] = gr.Button("Inject", elem_id="inject", scale=1)
-    c["card_md"] = gr.Markdown(elem_id="card")
+    # what the card says before one is opened (a page load opens one only for a ?prototype= link)
+    c["card_md"] = gr.Markdown(NO_CARD, elem_id="card")
     c["evidence"] = gr.HTML(elem_id="evidence")
     with gr.Accordion("Try it on your text", open=False, elem_id="try-panel"):
         with gr.Row():
@@ -303,8 +325,8 @@ def _card_panel(c: Components) -> None:
     with gr.Row():
         c["export_ev_btn"] = gr.Button("Export this prototype's evidence (CSV)", size="sm", elem_id="export-evidence")
     c["evidence_file"] = gr.File(label="Download", interactive=False, elem_id="evidence-file", visible=False)
-    c["signature"] = gr.Plot(label="Logit signature")
-    c["histogram"] = gr.Plot(label="Activation histogram")
+    c["signature"] = gr.Plot(plots.empty_figure(NO_CARD_PLOT), label="Logit signature")
+    c["histogram"] = gr.Plot(plots.empty_figure(NO_CARD_PLOT), label="Activation histogram")
     c["card_json"] = gr.JSON(visible=False)
 
 
@@ -369,6 +391,7 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
     # Everything that runs the model (generation, a token's decomposition, training data, exports, a restored
     # link), named or hidden, shares one concurrency group: at most `concurrency` at once, whoever calls.
     model = {"concurrency_limit": concurrency, "concurrency_id": "model"}
+    tools.register(studio, model)  # the agents' stateless endpoints (app/tools.py), in the same model group
     open_card = partial(h.prototype, studio)
 
     # Gradio passes gr.Request only to functions whose own annotations name it (not through a partial): the
@@ -381,16 +404,19 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
         yield from h.generate_pending(studio, pending, prompt, max_new, temperature, top_p, seed, session,
                                       session_hash=getattr(request, "session_hash", None), control=control)
 
+    prompt_tokens = partial(h.prompt_tokens, studio)
     c.generate_btn.click(h.clear_explanation, [c.control], c.outputs(h.ClearPanel), api_name=False,
                          queue=False).then(generate_for, [*settings, c.session, c.control],
-                                           c.outputs(h.GenerationPanel), api_name="generate", **model)
+                                           c.outputs(h.GenerationPanel), api_name="generate", **model).then(
+        prompt_tokens, [c.session], [c.prompt_tokens], api_name=False, queue=False, show_progress="hidden")
     # Stop runs outside the queue; its page-side half (STOP_JS) sends how many tokens each column shows
     c.stop_btn.click(partial(h.request_stop, studio), [c.control, c.stop_shown, c.session],
                      c.outputs(h.GenerationPanel), js=h.STOP_JS, api_name=False, queue=False, show_progress="hidden")
     token = c.outputs(h.TokenPanel)
     c.decompose_btn.click(partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name="decompose",
                           **model).then(open_card, [c.proto_id], card, api_name=False)
-    for select, component in ((h.select_original, c.original), (h.select_intervened, c.intervened)):
+    for select, component in ((h.select_original, c.original), (h.select_intervened, c.intervened),
+                              (h.select_prompt, c.prompt_tokens)):
         component.select(select, None, [c.run, c.index], api_name=False).then(
             partial(h.decompose, studio), [c.run, c.index, c.session], token, api_name=False, **model).then(
             open_card, [c.proto_id], card, api_name=False)
@@ -475,13 +501,20 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
                            c.outputs(InterventionsPanel, "iv_suppress_mode"), api_name="import_interventions")
     demo.load(restore_for, [c.session], c.outputs(h.RestorePanel), api_name=False).then(
         pending_for, [c.pending, *settings, c.session, c.control], c.outputs(h.GenerationPanel), api_name=False,
-        **model).then(
+        **model).then(prompt_tokens, [c.session], [c.prompt_tokens], api_name=False, queue=False,
+                      show_progress="hidden").then(
         partial(h.select_pending, studio), [c.pending, c.session], c.outputs(h.PendingPanel), api_name=False,
         **model)
 
     demo.load(partial(h.search, studio), search_inputs, found, api_name=False).then(
         partial(h.map_plot, studio), map_inputs, [c.proto_map], api_name="map")
-    demo.load(h.deep_link, None, [c.proto_id, c.tabs], api_name=False).then(open_card, [c.proto_id], card,
+    def deep_link_card(proto_id, request: gr.Request):
+        return h.deep_link_card(studio, proto_id, request)
+
+    # Gradio draws an empty Number as 0, and Suppress would then act on prototype 0: the page empties the box as it
+    # loads, in the page itself and only while it still holds that 0, so an id typed at once stays
+    demo.load(None, [c.proto_id], [c.proto_id], js="(v) => (v === 0 ? null : v)", api_name=False)
+    demo.load(h.deep_link, None, [c.proto_id, c.tabs], api_name=False).then(deep_link_card, [c.proto_id], card,
                                                                            api_name=False)
 
 
@@ -494,7 +527,7 @@ def stop_on_sigterm() -> None:
 
 
 def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, share: bool = False,
-           concurrency: int = 2, block: bool = True, limits: Limits | None = None):
+           concurrency: int = 2, block: bool = True, limits: Limits | None = None, mcp: bool = False):
     """Queue (at most `concurrency` model events at once, 64 waiting), limit each session's requests (RequestLimiter
     in front of the queue), bound uploads and kept sessions, and serve. host None: GRADIO_SERVER_NAME when it is
     set, else 127.0.0.1. Errors reach users only as the handlers' own messages (show_error=False)."""
@@ -512,11 +545,21 @@ def launch(demo: gr.Blocks, host: str | None = None, port: int | None = None, sh
         return len(ids), same, group == "model"
 
     demo.queue(default_concurrency_limit=max(concurrency, 4), max_size=64)
+    if mcp:  # Gradio's own MCP server lists every named endpoint: only app/tools.py's, not the page's events
+        tools.hide_page_events(demo)
     if block:
         stop_on_sigterm()
-    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       css=CSS, js=CLICK_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
-                       show_error=False, max_file_size=limits.max_upload_bytes,
-                       state_session_capacity=limits.max_sessions,
-                       app_kwargs={"middleware": [Middleware(RequestLimiter, limits=limits, pending=pending,
-                                                          known_event=lambda fn: fn in demo.fns)]})
+    try:
+        return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
+                           css=CSS, js=CLICK_JS, theme=gr.themes.Soft(), footer_links=["api"], quiet=True,
+                           show_error=False, max_file_size=limits.max_upload_bytes, mcp_server=mcp,
+                           state_session_capacity=limits.max_sessions,
+                           app_kwargs={"middleware": [Middleware(RequestLimiter, limits=limits, pending=pending,
+                                                              known_event=lambda fn: fn in demo.fns,
+                                                              n_inputs=lambda fn: len(demo.fns[fn].inputs))]})
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM while Gradio still checks that its page answers, before its own wait (which closes
+        # quietly) began: the server already runs, so close it the same way and end normally (exit code 0). Seen
+        # once under a loaded test run: a kill in that second ended the app with a traceback and exit code 1.
+        demo.close()
+        return None

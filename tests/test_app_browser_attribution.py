@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from test_app_support import ROOT, build_tiny_attribution_db, running_app, shared_assets
 
 from app.attribution import attribute_token, attribution_panel, index_for
@@ -60,6 +61,16 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
     html, payload = attribution_panel(studio, "original", 2, Session(original=gen))
     assert "Training data behind token 2" in html and html.count("prism-attribution\"") == 10
     assert payload["sequences"][0]["doc_id"] == rows[0]["doc_id"] and "segments" not in payload["sequences"][0]
+    # a prompt token: the query gradient of the logit the model gave it, from the prompt before it alone
+    n = len(gen.prompt_ids)
+    data = attribute_token(studio, gen, n - 1, top=5, in_prompt=True)
+    assert data["in_prompt"] and data["position"] == n - 2 and data["token_id"] == gen.prompt_ids[-1]
+    ids, g = query_gradient(studio.model, torch.tensor([list(gen.prompt_ids)]), n - 2, gen.prompt_ids[-1])
+    scores, _ = index.scores(ids, g)
+    np.testing.assert_allclose([r["score"] for r in data["sequences"]], np.sort(scores)[::-1][:5], rtol=1e-4,
+                               atol=1e-6)
+    html, _ = attribution_panel(studio, "prompt", n - 1, Session(original=gen))
+    assert f"Training data behind prompt token {n - 1}" in html
 
 
 def test_the_panel_says_how_to_build_what_is_missing(assets, studio):
@@ -72,7 +83,7 @@ def test_the_panel_says_how_to_build_what_is_missing(assets, studio):
     bare = Studio(studio.model, studio.tokenizer)  # no database at all
     html, _ = attribution_panel(bare, "original", 1, Session(original=gen))
     assert "python -m precompute build" in html
-    for run, index in (("original", 99), ("elsewhere", 0), ("intervened", 0)):
+    for run, index in (("original", 99), ("elsewhere", 0), ("intervened", 0), ("prompt", 0), ("prompt", 99)):
         html, data = attribution_panel(studio, run, index, Session(original=gen))
         assert data is None and "⚠️" in html
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_app_support import changing_prototype, shared_assets
 
-from app import handlers, interventions, plots, render
+from app import handlers, interventions, plots, render, share
 from app.core import AppError, GenerationSettings, Studio, side_by_side
 from app.limits import Limits
 from app.session import MAX_INJECT, Session, group_item, inject_item, scale_item, suppress_item
@@ -437,7 +437,10 @@ def test_the_summary_and_the_data_give_probabilities_beside_logits(studio):
     probs = logits.softmax(-1)
     for a in view.alternatives:
         assert a.probability == pytest.approx(float(probs[a.token_id]), abs=1e-5)
-    assert f"probability {view.chosen.probability:.3f}" in render.token_summary(view, None)
+    assert f"probability {render.probability(view.chosen.probability)}" in render.token_summary(view, None)
+    # readable at both ends: three decimals, and a tiny probability in two significant digits, never '0.000'
+    assert render.probability(0.4213) == "0.421" and render.probability(0.0000347) == "3.5e-05"
+    assert float(render.probability(0.0004)) == pytest.approx(0.0004) and render.probability(0.0) == "0.000"
     assert view.as_dict()["chosen"]["probability"] == view.chosen.probability
 
 
@@ -515,3 +518,54 @@ def test_scaling_a_prototype_the_text_never_uses_says_so_and_offers_injection(st
     panel = list(handlers.generate(studio, PROMPT, 6, 0, 1, 0,
                                    interventions.scale(studio, busy, 1.5, Session()).session))[-1]
     assert "never active" not in panel.gen_status
+
+
+@torch.no_grad()
+def test_a_prompt_token_is_explained_like_a_generated_one(studio):
+    """A prompt token's explanation is the split of the logit the model gave it after the prompt before it: from an
+    independent forward pass over the prompt alone, every alternative's slices add up to its logit; contrast and
+    the link name the same token; the first prompt token and indices past the prompt get a clear message."""
+    session = interventions.scale(studio, 3, 2.0, Session()).session  # the prompt is read without interventions
+    *_, session, _ = list(handlers.generate(studio, PROMPT, 3, 0, 1, 0, session))[-1]
+    ids = studio.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert list(session.original.prompt_ids) == ids and len(ids) >= 3
+    logits = studio.model(torch.tensor([ids])).logits[0]  # (T, V), the plain model over the prompt only
+    for index in range(1, len(ids)):
+        panel = handlers.decompose(studio, handlers.PROMPT, index, session)
+        data = panel.token_json
+        assert data["in_prompt"] and data["index"] == index and data["position"] == index - 1
+        assert data["chosen"]["token_id"] == ids[index] and data["stream_logit"] is None
+        for d in data["alternatives"]:
+            assert close(d["sum"], float(logits[index - 1, d["token_id"]]))
+            assert close(d["logit"], float(logits[index - 1, d["token_id"]]))
+        assert f"Prompt token {index}" in panel.token_md and "while generating" not in panel.token_md
+        assert panel.session.selected == (handlers.PROMPT, index)
+        # the top alternative's probability is the softmax of the independent logits
+        top = data["alternatives"][0]
+        assert top["probability"] == pytest.approx(float(logits[index - 1].softmax(-1)[top["token_id"]]), abs=1e-5)
+    _, _, data = handlers.contrast(studio, handlers.PROMPT, 2, " cat", session)
+    other = studio.tokenizer(" cat", add_special_tokens=False)["input_ids"][0]
+    assert data["token_a"] == ids[2] and data["margin"] == pytest.approx(float(logits[1, ids[2]] - logits[1, other]),
+                                                                         abs=1e-3)
+    # the strip of prompt tokens: one clickable chip per prompt token, the first marked
+    strip = handlers.prompt_tokens(studio, session)
+    assert [t for t, _ in strip] == [studio.decode(i) for i in ids]
+    assert [c for _, c in strip] == [handlers.PROMPT_FIRST] + [handlers.PROMPT_TOKEN] * (len(ids) - 1)
+    assert handlers.prompt_tokens(studio, Session()) == []
+    # bad indices: a message naming the valid range, and the session unchanged
+    for bad, words in ((0, "prompt token 0 is the first"), (len(ids), "there is no prompt token"),
+                       (-1, "there is no prompt token"), (1.5, "whole number")):
+        panel = handlers.decompose(studio, handlers.PROMPT, bad, session)
+        assert panel.token_md.startswith("⚠️") and words in panel.token_md and panel.session is session
+        assert f"1 to {len(ids) - 1}" in panel.token_md or words == "whole number"
+    assert handlers.decompose(studio, handlers.PROMPT, 1, Session()).token_md.startswith("⚠️ generate first")
+    # a link to an explained prompt token restores it; a link to prompt token 0 or past the prompt is refused
+    token = handlers.decompose(studio, handlers.PROMPT, 2, session).token_json
+    url, status = handlers.share_link(studio, PROMPT, 3, 0, 1, 0, handlers.PROMPT, token, session)
+    link = share.decode_link(studio, url.split(f"{share.PARAM}=")[1])
+    assert link.selected == (handlers.PROMPT, 2) and "explained token" in status
+    for bad in (0, len(ids)):
+        made = share.encode_link(studio, GenerationSettings(PROMPT, 3), session, (handlers.PROMPT, bad))
+        with pytest.raises(AppError, match="prompt tokens-1"):
+            share.decode_link(studio, made)
+    assert handlers.share_link(studio, PROMPT, 3, 0, 1, 0, handlers.PROMPT, {"index": 0}, session)[0] == ""

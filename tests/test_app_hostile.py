@@ -14,10 +14,11 @@ import gradio as gr
 import pytest
 from test_app_support import shared_assets
 
-from app import handlers, interventions, share
+from app import handlers, interventions, share, ui
 from app.core import GenerationSettings, Studio
 from app.messages import MAX_MESSAGE_CHARS
 from app.session import Session, suppress_item
+from app.tools import TOOLS
 
 PROMPT = "the cat sat on the"
 LONG = "x" * 60_000
@@ -87,6 +88,7 @@ def _cases(studio, session, tmp_path):
     upload = tmp_path / "interventions.json"
     upload.write_text(json.dumps(share.interventions_json(studio, session)))
     token = {"index": 0}
+    tool = {f.api_name: f.fn for f in ui.build_demo(studio).fns.values() if f.api_name in TOOLS}
     return [
         ("generate", lambda *a: handlers.generate(studio, *a), [PROMPT, 4, 0, 1, 0, session]),
         ("decompose", lambda *a: handlers.decompose(studio, *a), ["original", 1, session]),
@@ -107,6 +109,13 @@ def _cases(studio, session, tmp_path):
         ("preset", lambda *a: interventions.apply_preset(studio, *a), ["kjv-register", session]),
         ("suppress_mode", interventions.suppress_mode, ["zero", session]),
         ("remove_intervention", interventions.remove_intervention, [0, session]),
+        # the agents' tools (app/tools.py): everything in their arguments, no session
+        ("generate_explained", tool["generate_explained"], [PROMPT, 3, [1], {"2": 1.5}, 0, 0]),
+        ("explain_token", tool["explain_token"], [PROMPT, 1, 3, [1], None, 0, 0, 2]),
+        ("search_prototypes", tool["search_prototypes"], ["the", "label", 5]),
+        ("prototype_card", tool["prototype_card"], [3, 2]),
+        ("compare_interventions", tool["compare_interventions"], [PROMPT, [1], None, 3, 0, 0]),
+        ("training_data", tool["training_data"], [PROMPT, 1, 3, 0, 0, 3]),
     ]
 
 

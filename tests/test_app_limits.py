@@ -221,7 +221,8 @@ def test_an_unexpected_error_reaches_the_user_as_one_line(studio):
 def test_every_model_event_is_in_one_concurrency_group(studio):
     demo = ui.build_demo(studio, concurrency=2)
     model_handlers = {"generate_for", "decompose", "attribute", "refresh_attribution", "export_generation",
-                      "pending_for", "select_pending", "controller", "contrast"}  # *_for: with the session hash
+                      "pending_for", "select_pending", "controller", "contrast",  # *_for: with the session hash
+                      "generate_explained", "explain_token", "compare_interventions", "training_data"}  # tools
     seen = set()
     for fn in demo.fns.values():
         inner = getattr(fn.fn, "func", fn.fn)  # a partial binds the studio
@@ -271,6 +272,8 @@ def test_a_running_app_holds_floods_long_prompts_hidden_events_and_bad_inputs(as
 
         bad = app_load.bad_inputs(url)
         assert bad["raw_answers"] == [] and bad["server_answers_after"]
+        assert bad["unexpected"] == [] and bad["empty"] == [] and bad["long"] == [], bad
+        assert "takes 7" in bad["answers"]["missing inputs"]  # generate: five settings and two states
         answers = bad["answers"]
         assert "finite" in answers["NaN temperature"] and "finite" in answers["NaN seed"]
         assert "surrogates" in answers["lone surrogate"] and "between" in answers["seed overflow"]
@@ -305,11 +308,28 @@ def test_an_app_bound_as_docker_binds_it_runs_every_event_through_the_queue(asse
             os.environ["SPACE_ID"] = env_space
 
 
+@pytest.mark.slow
+def test_fresh_session_hashes_do_not_push_out_a_working_users_session(assets):
+    """The audit's eviction flood against a real server whose store holds 12 sessions, with the per-address limit
+    on new sessions lifted (as if the flood came from many addresses): a bystander who suppressed a prototype keeps
+    it through 60 fresh sessions, newcomers beyond the store are refused with a message, and the bystander's
+    generations run throughout."""
+    model, db = assets
+    extra = ("--max-sessions", "12", "--new-sessions-burst", "1000", "--new-sessions-per-minute", "100000")
+    with running_app(model, db, extra=extra) as url:
+        row = app_load.fresh_sessions(url, tokens=4, n_requests=60, seconds=6.0, workers=8)
+    print(row)  # noqa: T201 - shown with -s, and by pytest when an assertion fails
+    assert not row["evicted"] and row["normal_ok"] and row["normal_n"] >= 3
+    # the bystander's session and the flood's first sessions fill the store; everyone after that is refused
+    assert row["by_status"].get("503", 0) >= 60 - 12 and row["accepted"] <= 12
+    assert any("as many pages open" in r for r in row["refusals"])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The request limiter itself, as ASGI middleware in front of a real (trivial) ASGI app.
 
 
-def _limited(limits: Limits, known=lambda fn: fn < 10):
+def _limited(limits: Limits, known=lambda fn: fn < 10, clock=time.monotonic, n_inputs=None):
     import asyncio
     import json as json_module
 
@@ -323,7 +343,7 @@ def _limited(limits: Limits, known=lambda fn: fn < 10):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    limiter = RequestLimiter(inner, limits, known_event=known)
+    limiter = RequestLimiter(inner, limits, known_event=known, clock=clock, n_inputs=n_inputs)
 
     def post(path: str, body: dict | None = None, client: str = "10.0.0.1", forwarded: str | None = None,
              method: str = "POST") -> tuple:
@@ -387,6 +407,66 @@ def test_new_sessions_are_rate_limited_per_address_and_known_ones_are_not():
         assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"fresh{n}"})[0] == 200
     other = post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "elsewhere"}, client="10.0.0.2")
     assert other[0] == 200  # another address has its own allowance
+
+
+def test_a_new_session_never_pushes_out_an_active_one():
+    """Gradio's store keeps max_sessions sessions and drops the least recently used for a new one. While every kept
+    session was heard from within active_session_s, a new page (a join under a fresh hash, or a /call without one)
+    is refused with a message and the kept sessions go on; once one has gone quiet, newcomers are admitted again
+    (Gradio then drops the quiet one)."""
+    now = [1000.0]
+    limits = Limits(max_sessions=4, active_session_s=60, new_sessions_burst=100, new_sessions_per_minute=100)
+    post, served, limiter = _limited(limits, clock=lambda: now[0])
+    for n in range(4):
+        assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"s{n}"}, client=f"10.0.0.{n}")[0] == 200
+        now[0] += 10
+    for path, fresh in (("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "newcomer"}),
+                        ("/gradio_api/call/search", {"data": []}),
+                        ("/gradio_api/component_server", {"session_hash": "newcomer", "component_id": 1})):
+        status, body = post(path, fresh, client="10.9.9.9")
+        assert status == 503 and "as many pages open" in body, (path, body)
+    n_served = len(served)
+    for n in range(4):  # the kept sessions are unaffected, and hearing from them keeps them active
+        assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"s{n}"})[0] == 200
+    assert len(served) == n_served + 4
+    now[0] += 61  # all four quiet for longer than active_session_s, then s1..s3 are heard from again
+    for n in (1, 2, 3):
+        assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": f"s{n}"})[0] == 200
+    assert post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "newcomer"}, client="10.9.9.9")[0] == 200
+    status, body = post("/gradio_api/queue/join", {"fn_index": 1, "session_hash": "third"}, client="10.9.9.8")
+    assert status == 503  # s1, s2, s3 and the newcomer are all active again
+
+
+def test_a_join_with_the_wrong_number_of_values_is_refused_with_a_message():
+    post, served, _ = _limited(Limits(), n_inputs=lambda fn: fn + 1)
+    for data, sent in ((["a"], "1 value(s)"), ("abc", "no list of values"), (None, "no list of values")):
+        status, body = post("/gradio_api/queue/join", {"fn_index": 2, "session_hash": "s", "data": data})
+        assert status == 422 and f"sends {sent}; the event takes 3" in body, body
+    assert served == []
+    assert post("/gradio_api/queue/join", {"fn_index": 2, "session_hash": "s", "data": [1, None, "x"]})[0] == 200
+    # /call/<api> leaves the states out of its values: Gradio fills them, so the count is not checked there
+    assert post("/gradio_api/call/search", {"fn_index": 2, "data": ["a"]})[0] == 200
+
+
+def test_a_value_the_page_never_sends_gets_a_short_message_and_one_log_line(caplog):
+    """Gradio's own input checks (a slider's range, a table's shape) printed a traceback each, and the caller read
+    an error without a message (the app hides exception texts)."""
+    from app.messages import checked_inputs
+
+    with gr.Blocks() as demo:
+        slider = gr.Slider(0, 5, label="scale factor")
+        table = gr.Dataframe(headers=["id"], elem_id="table")
+        out = gr.Textbox()
+        gr.Button().click(lambda a, b: str(a), [slider, table], out)
+    checked_inputs(demo)
+    assert slider.preprocess(2.5) == 2.5  # good values pass untouched
+    with caplog.at_level(logging.INFO, logger="app.messages"):
+        for block, payload, words in ((slider, 1e308, "greater than maximum"), (table, None, "never sends")):
+            caplog.clear()
+            with pytest.raises(gr.Error) as err:
+                block.preprocess(payload)
+            assert words in err.value.message and len(err.value.message) <= 200 and not err.value.print_exception
+            assert len(caplog.records) == 1 and caplog.records[0].exc_info is None
 
 
 def test_on_a_space_the_client_is_the_address_the_proxy_appended(monkeypatch):

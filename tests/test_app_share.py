@@ -139,6 +139,22 @@ def test_a_damaged_link_is_refused(studio, state, damage):
         share.decode_link(studio, damage(share.encode_link(studio, settings, session)))
 
 
+def test_a_prototype_link_opens_its_card_and_no_link_leaves_the_id_box_and_card_alone(studio):
+    """?prototype=ID fills the id box, opens the Prototypes tab and that prototype's card. Without a link (or with
+    one that is not a number) the page's load event must not touch the id box or the card: it can land after the
+    user has typed an id, and clearing it then made the next Suppress read an empty box."""
+    pid = 5
+    box, tab = handlers.deep_link(request(prototype=str(pid)))
+    assert box == pid and tab.selected == "browse"
+    card = handlers.deep_link_card(studio, box, request(prototype=str(pid)))
+    assert card.card_json["prototype_id"] == pid and card.card_md == handlers.prototype(studio, pid).card_md
+    for query in ({}, {"prototype": "five"}):
+        box, tab = handlers.deep_link(request(**query))
+        assert isinstance(box, type(gr.skip())) and isinstance(tab, type(gr.skip()))
+        card = handlers.deep_link_card(studio, 7, request(**query))
+        assert all(isinstance(field, type(gr.skip())) for field in card)
+
+
 def test_interventions_file_round_trip_and_bad_files(studio, state, tmp_path):
     settings, session = state
     path, status = handlers.export_interventions(studio, session)
@@ -302,6 +318,29 @@ def test_a_stop_that_arrives_after_the_run_cuts_the_text_to_what_the_page_showed
     assert len(session.original.steps) == 4
     later = handlers.request_stop(studio, control, '{"original": 1, "intervened": 0}', session)
     assert all(isinstance(field, dict) and field.get("__type__") == "update" for field in later)
+
+
+def test_a_stop_that_arrives_while_the_last_update_is_on_its_way_still_cuts(studio):
+    # the run has written all 12 tokens and yielded its last update, which has not reached the page; the page shows
+    # 5 when Stop is clicked: Stop's answer cuts to 6, and so does the run's own next update, so whichever lands last
+    # the page ends with the cut text (before, this Stop found no finished run and the whole text stayed)
+    control = handlers.RunControl()
+    handlers.clear_explanation(control)
+    stream = handlers.generate(studio, PROMPT, 12, 0, 1, 0, Session(), control)
+    updates = []
+    while not updates or "Generated" not in updates[-1][2]:
+        updates.append(next(stream))
+    *_, whole, _ = updates[-1]
+    assert len(whole.original.steps) == 12
+    answer = handlers.request_stop(studio, control, '{"original": 5, "intervened": 0}', whole)
+    original, _, status, _, cut, result = answer
+    assert len(cut.original.steps) == 6 and cut.original.token_ids == whole.original.token_ids[:6]
+    assert "Stopped after 6 original" in status and len(original) == 6 and len(result["original"]["tokens"]) == 6
+    rest = list(stream)
+    assert len(rest) == 1
+    original, _, status, _, session, result = rest[0]
+    assert session.original.token_ids == cut.original.token_ids and not session.original.finished
+    assert "Stopped after 6 original" in status and len(original) == 6
 
 
 def test_stop_reaches_a_run_still_waiting_in_the_queue(studio):

@@ -26,6 +26,7 @@ from prism.backbones import load_backbone, load_tokenizer
 
 N_PROTOTYPES, TOP_K = 24, 4
 ROOT = Path(__file__).resolve().parents[1]
+CHANGED_RGB = "rgba(255, 45, 45"  # app/ui.py's colour of a token the interventions changed (#ff2d2d), as drawn
 
 
 def build_tiny_model(root: Path, seed: int = 0) -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_app_support import ROOT, running_app
+from test_app_support import CHANGED_RGB, ROOT, running_app
 
 from app import handlers
 from app.assets import DEFAULT_MODEL, resolve_db
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
 ARTIFACTS = ROOT / "test-artifacts"
 TIMEOUT = 180_000
 MARKERS = PRESETS["kjv-register"].marker_pattern()
-CHANGED_RGB = "rgba(255, 45, 45"  # the highlight of a token the interventions changed
 
 
 def open_with_prompt(browser, app: str, prompt: str):
