@@ -34,7 +34,15 @@ from prism import PrismConfig, PrismForCausalLM, cli
 from prism.backbones import load_backbone, load_tokenizer
 from prism.data import pack, tokenize_split
 from prism.memory import allocator, keep_freed_memory
-from prism.train import TrainArgs, TrainModule, _set_trainable, autocast, init_prototypes, native_bfloat16
+from prism.train import (
+    TrainArgs,
+    TrainModule,
+    _set_trainable,
+    autocast,
+    bfloat16_speedup,
+    init_prototypes,
+    native_bfloat16,
+)
 
 # the vector extensions that decide which CPU kernels run (matrix products, bfloat16)
 EXTENSIONS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
@@ -53,7 +61,9 @@ def machine() -> dict:
     flags = set((info.get("flags") or info.get("Features") or "").split())
     return {"cpu": cpu, "arch": platform.machine(), "extensions": [e for e in EXTENSIONS if e in flags],
             "torch_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "native_bfloat16": native_bfloat16(), "allocator": allocator(), "torch": torch.__version__}
+            "native_bfloat16": native_bfloat16(), "allocator": allocator(), "torch": torch.__version__,
+            # what --autocast auto decides by (prism.train.fast_bfloat16): native is not always faster
+            "bfloat16_speedup": round(bfloat16_speedup(), 3) if native_bfloat16() else None}
 
 
 def page_faults() -> int:

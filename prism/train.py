@@ -26,6 +26,7 @@ guarantee (same step, data order and optimizer state) is easiest to check with a
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -80,15 +81,60 @@ def native_bfloat16(device: str = "cpu") -> bool:
     return True  # another accelerator: the user asked for it knowingly
 
 
+MIN_BFLOAT16_SPEEDUP = 1.2  # --autocast auto picks bfloat16 only where its products run at least this much faster
+PROBE_SHAPE = (2048, 576, 1536)  # a batch of 8 x 256 tokens through the MLP of a SmolLM2-135M layer
+
+
+@functools.cache
+def bfloat16_speedup(device: str = "cpu", repeats: int = 5) -> float:
+    """How many times faster a bfloat16 matrix product runs than a float32 one on `device` (median of `repeats`
+    after one warm-up each, PROBE_SHAPE; measured once per process, about a quarter of a second on a CPU).
+
+    oneDNN's test (native_bfloat16) says which instructions a CPU has, not how fast its bfloat16 kernels are: on a
+    2-core Intel Xeon with AVX-512 BF16 but no AMX (2026-12-07) the product took twice as long in bfloat16 as in
+    float32 and a PRISM training step under autocast 2.19 s against 1.33 s; on a 2-core AMD EPYC with AVX-512 BF16
+    bfloat16 was about twice as fast (RESULTS.md, training throughput per machine kind)."""
+    n, d, m = PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, d, generator=generator), torch.randn(d, m, generator=generator)
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
+        runs = []
+        for i in range(repeats + 1):
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            x @ y
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first is a warm-up
+                runs.append(time.perf_counter() - start)
+        times[dtype] = sorted(runs)[len(runs) // 2]
+    return times[torch.float32] / max(times[torch.bfloat16], 1e-9)
+
+
+def fast_bfloat16(device: str = "cpu") -> bool:
+    """Whether --autocast auto should train in bfloat16 on `device`: natively supported (native_bfloat16) and, on
+    a CPU, measured at least MIN_BFLOAT16_SPEEDUP times faster than float32 (bfloat16_speedup)."""
+    if not native_bfloat16(device):
+        return False
+    return torch.device(device).type != "cpu" or bfloat16_speedup(device) >= MIN_BFLOAT16_SPEEDUP
+
+
 def resolve_autocast(value: str, device: str = "cpu") -> str:
-    """--autocast as a run records it: 'auto' becomes bfloat16 where it runs natively and none elsewhere; an
-    explicit bfloat16 where it does not is kept but warned about."""
+    """--autocast as a run records it: 'auto' becomes bfloat16 where it runs natively and faster than float32
+    (fast_bfloat16) and none elsewhere; an explicit bfloat16 where it does not is kept but warned about."""
     if value == "auto":
-        return "bfloat16" if native_bfloat16(device) else "none"
+        return "bfloat16" if fast_bfloat16(device) else "none"
     if value == "bfloat16" and not native_bfloat16(device):
         logger.warning("--autocast bfloat16 on %s, which has no native bfloat16 products (%s): they are emulated "
                        "and can be tens of times slower than float32; use --autocast auto or none", device,
                        torch.backends.cpu.get_cpu_capability() if device.startswith("cpu") else "no bf16 support")
+    elif value == "bfloat16" and not fast_bfloat16(device):
+        logger.warning("--autocast bfloat16 on %s, where a bfloat16 product runs at %.2fx the speed of a float32 "
+                       "one (bfloat16_speedup): training will be slower than in float32; use --autocast auto or "
+                       "none", device, bfloat16_speedup(device))
     return value
 
 
@@ -157,7 +203,8 @@ class TrainArgs:
     autocast: str = arg("none", "bfloat16: mixed precision, the matrix products (frozen layers, trained layers, "
                                 "bank, LM head) in bfloat16, weights, optimizer and losses in float32; several "
                                 "times faster on CPUs with AMX or AVX-512 BF16, emulated and far slower on CPUs "
-                                "without them (AVX2 only); auto: bfloat16 where the device runs it natively, none "
+                                "without them (AVX2 only); auto: bfloat16 where the device runs it natively and "
+                                "faster than float32 (measured: not every CPU with AVX-512 BF16 is), none "
                                 "elsewhere")
     checkpoint_every: int = arg(200, "steps between checkpoints (a killed run resumes from the last)")
     log_every: int = arg(10, "steps between log lines")

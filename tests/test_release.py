@@ -64,9 +64,10 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path, capsys):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_precision_follows_the_machine_and_a_started_release_keeps_its_own(tmp_path, capsys, monkeypatch, native):
-    """--autocast auto: bfloat16 only where the machine runs it natively (an AVX2-only CPU emulates it about 50x
-    slower); a release that already started keeps the precision it recorded, so its dense baseline matches."""
+    """--autocast auto: bfloat16 only where the machine runs it natively and faster (an AVX2-only CPU emulates it
+    about 50x slower); a release that already started keeps the precision it recorded, so its dense baseline matches."""
     monkeypatch.setattr(train_module, "native_bfloat16", lambda device="cpu": native)
+    monkeypatch.setattr(train_module, "fast_bfloat16", lambda device="cpu": native)
     main(["--out", str(tmp_path / "rel"), "--dry-run"])
     prism = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("[prism]"))
     assert f"--autocast {'bfloat16' if native else 'none'}" in prism

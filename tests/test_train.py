@@ -490,19 +490,37 @@ def test_autocast_run_resumes_exactly_and_keeps_its_own_cache(setup, tmp_path):
 def test_autocast_auto_resolves_by_the_device_and_bfloat16_without_native_support_is_warned(monkeypatch, caplog):
     from prism import train as train_module
 
-    for native, expected in ((True, "bfloat16"), (False, "none")):
+    for native, fast, expected in ((True, True, "bfloat16"), (True, False, "none"), (False, False, "none")):
         monkeypatch.setattr(train_module, "native_bfloat16", lambda device="cpu", n=native: n)
+        monkeypatch.setattr(train_module, "fast_bfloat16", lambda device="cpu", f=fast: f)
         assert TrainArgs(corpus="c", out="o", autocast="auto").autocast == expected
     with caplog.at_level("WARNING", logger="prism.train"):
         assert TrainArgs(corpus="c", out="o", autocast="bfloat16").autocast == "bfloat16"  # kept, but said
     assert "no native bfloat16" in caplog.text
     caplog.clear()
     monkeypatch.setattr(train_module, "native_bfloat16", lambda device="cpu": True)
+    with caplog.at_level("WARNING", logger="prism.train"):  # native but measured slower than float32: said too
+        assert TrainArgs(corpus="c", out="o", autocast="bfloat16").autocast == "bfloat16"
+    assert "slower than in float32" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(train_module, "fast_bfloat16", lambda device="cpu": True)
     with caplog.at_level("WARNING", logger="prism.train"):
         TrainArgs(corpus="c", out="o", autocast="bfloat16")
     assert not caplog.text
     with pytest.raises(ValueError, match="or auto"):
         TrainArgs(corpus="c", out="o", autocast="float16")
+
+
+def test_autocast_auto_follows_this_cpus_measured_bfloat16_speed():
+    """Native bfloat16 is not always faster (an Intel Xeon with AVX-512 BF16 and no AMX ran it at half the speed of
+    float32): 'auto' picks bfloat16 exactly when the measured speed-up of this machine's products clears the bar."""
+    from prism import train as train_module
+
+    speedup = train_module.bfloat16_speedup()
+    assert speedup > 0 and train_module.bfloat16_speedup() == speedup  # measured once per process
+    fast = train_module.native_bfloat16() and speedup >= train_module.MIN_BFLOAT16_SPEEDUP
+    assert train_module.fast_bfloat16() == fast
+    assert train_module.resolve_autocast("auto") == ("bfloat16" if fast else "none")
 
 
 def test_path_terms_are_trained_logged_and_recorded(setup, tmp_path):
