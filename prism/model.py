@@ -145,7 +145,7 @@ def _normalize_backward(grad: torch.Tensor, unit: torch.Tensor, norm: torch.Tens
     """The gradient through F.normalize(x) = x / max(|x|, eps): grad (n, d) of the unit vectors `unit`, norm (n, 1)
     = max(|x|, eps) -> the gradient of x, (grad - (grad . unit) unit) / norm (the radial part only where |x| > eps,
     as autograd's)."""
-    radial = (grad * unit).sum(-1, keepdim=True) * (norm > NORMALIZE_EPS)  # (n, 1)
+    radial = torch.linalg.vecdot(grad, unit).unsqueeze(-1) * (norm > NORMALIZE_EPS)  # (n, 1), no (n, d) product
     return torch.addcmul(grad, radial, unit, value=-1.0).div_(norm)
 
 

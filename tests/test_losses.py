@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from prism import losses
 from prism.losses import (
     IGNORE_INDEX,
     ce_loss,
@@ -292,3 +293,38 @@ def test_routing_under_autocast_matches_float32():
         z.grad = w.grad = None
     for fp32, bf16 in zip(*grads):
         assert F.cosine_similarity(fp32.flatten(), bf16.flatten(), dim=0) > 0.98
+
+
+def test_rec_loss_and_its_written_out_gradient_equal_autograd_of_the_formula():
+    """L_REC's backward is written out (_RecRatio): values and both gradients against autograd of the plain formula
+    in float32, a zero state (the clamp) and padding included."""
+    g = torch.Generator().manual_seed(5)
+    z, z_hat = torch.randn(4, 16, 32, generator=g), torch.randn(4, 16, 32, generator=g)
+    z[1, 3] = 0.0  # below the clamp: no gradient through |z|^2 there
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    mask[3, 10:] = False
+    weights = torch.rand(4, 16, generator=g)  # a gradient that differs per token
+    grads = []
+    for plain in (False, True):
+        a, b = z.clone().requires_grad_(True), z_hat.clone().requires_grad_(True)
+        if plain:
+            ratio = (a - b).pow(2).sum(-1) / a.pow(2).sum(-1).clamp_min(1e-12)
+            loss = (ratio * weights)[mask].mean()
+        else:
+            loss = (losses._RecRatio.apply(a, b) * weights)[mask].mean()
+        loss.backward()
+        grads.append((float(loss), a.grad, b.grad))
+    (mine, gz, gzh), (ref, rz, rzh) = grads
+    assert mine == pytest.approx(ref, rel=1e-6)
+    assert torch.allclose(gz, rz, atol=1e-6) and torch.allclose(gzh, rzh, atol=1e-6)
+    assert float(gz[1, 3].abs().max()) == float(rz[1, 3].abs().max())  # the clamped token: the same (r's term only)
+
+
+def test_the_first_best_row_of_each_column_is_found_with_ties():
+    """coverage_losses takes each prototype's first best token (_first_max_rows): against a loop over the columns,
+    on a matrix full of ties, in float32 and bfloat16, and on more rows than an int16 holds."""
+    g = torch.Generator().manual_seed(6)
+    for n, k, dtype in ((50, 7, torch.float32), (64, 9, torch.bfloat16), (40000, 3, torch.float32)):
+        flat = torch.randint(0, 4, (n, k), generator=g).to(dtype)  # values 0..3: every column has ties
+        expected = [next(i for i in range(n) if flat[i, c] == flat[:, c].max()) for c in range(k)]
+        assert losses._first_max_rows(flat).tolist() == expected
