@@ -305,7 +305,7 @@ def run_ekfac(ns, work: Path) -> dict:
     train_set = SequenceDataset(train, states, meta["seq_len"])
     t0 = time.perf_counter()
     peer = EkfacPeer(model, layer, work / "kronfluence")
-    peer.fit(train_set, batch_size=ns.batch_size)
+    peer.fit(train_set, batch_size=ns.batch_size, max_examples=ns.ekfac_fit_sequences)
     fit_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with torch.no_grad():  # the queries' own pass through the frozen layers counts as query cost
@@ -316,7 +316,8 @@ def run_ekfac(ns, work: Path) -> dict:
     scores = peer.scores(query_set, train_set, query_batch=ns.ekfac_query_batch, train_batch=ns.batch_size)
     total = time.perf_counter() - t0
     np.save(work / "ekfac_scores.npy", scores.float().numpy())
-    return {"ekfac_fit_s": fit_s, "ekfac_query_ms": 1e3 * total / len(queries), "ekfac_query_total_s": total,
+    return {"ekfac_fit_s": fit_s, "ekfac_fit_sequences": min(len(train), ns.ekfac_fit_sequences or len(train)),
+            "ekfac_query_ms": 1e3 * total / len(queries), "ekfac_query_total_s": total,
             "ekfac_query_batch": ns.ekfac_query_batch, "ekfac_n_queries": len(queries), "ekfac_modules": peer.n_tracked}
 
 
@@ -352,7 +353,7 @@ RUNNERS = {"cached": run_cached, "ekfac": run_ekfac, "reference": run_reference}
 # database's cache re-runs the cached level alone.
 PREPARE_KEYS = ("model", "corpus", "n_train", "seq_len", "n_queries", "batch_size", "peer_layers", "seed")
 LEVEL_KEYS = {"cached": ("db", "rank", "damping", "mode", "extra", "coverage", "mmap", "rerank"),
-              "ekfac": ("ekfac_query_batch", "ekfac_queries"),
+              "ekfac": ("ekfac_query_batch", "ekfac_queries", "ekfac_fit_sequences"),
               "reference": ("db", "rank", "damping")}
 RESUME_KEYS = PREPARE_KEYS + tuple(dict.fromkeys(k for keys in LEVEL_KEYS.values() for k in keys))
 
@@ -540,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ekfac-queries", type=int, default=None,
                         help="score only the first N queries with EK-FAC (each query batch is a full pass over the "
                              "training sequences; its per-query cost does not depend on how many batches run)")
+    parser.add_argument("--ekfac-fit-sequences", type=int, default=None,
+                        help="fit EK-FAC's factors on the first N training sequences only (default: all; the "
+                             "scores always cover every sequence)")
     parser.add_argument("--peer-layers", type=int, default=None,
                         help="top layers EK-FAC tracks (default: the layers the checkpoint trained, else 2)")
     parser.add_argument("--levels", default=",".join(LEVELS), help="comma-separated subset of cached,ekfac,reference")

@@ -166,10 +166,15 @@ class EkfacPeer:
     def n_tracked(self) -> int:
         return len(self.task.tracked)
 
-    def fit(self, train: Dataset, batch_size: int = 8) -> None:
-        """EK-FAC factors over the training sequences: covariances, eigendecomposition, eigenvalue correction."""
+    def fit(self, train: Dataset, batch_size: int = 8, max_examples: int | None = None) -> None:
+        """EK-FAC factors over the training sequences: covariances, eigendecomposition, eigenvalue correction; with
+        max_examples, both passes read only the first that many sequences (kronfluence's covariance_max_examples
+        and lambda_max_examples; the scores still cover every sequence)."""
+        limit = {} if max_examples is None else {"covariance_max_examples": max_examples,
+                                                  "lambda_max_examples": max_examples}
         self.analyzer.fit_all_factors(factors_name=FACTORS_NAME, dataset=train, per_device_batch_size=batch_size,
-                                      factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)
+                                      factor_args=FactorArguments(strategy="ekfac", **limit),
+                                      overwrite_output_dir=True)
 
     def scores(self, queries: Dataset, train: Dataset, query_batch: int = 8, train_batch: int = 8) -> torch.Tensor:
         """Pairwise influence scores (Q, N) of every query on every training sequence."""
