@@ -20,10 +20,14 @@ attribute  the methods, side by side in one run over the planted model's trainin
            prompt: cached (the app's first stage), cached+rerank (its exact second stage), the reference (exact
            prototype-space gradients, full coupled curvature), EK-FAC (kronfluence, the same trainable layers),
            BM25 (rank_bm25 over the sequences' text; query = prompt + answer) and sentence-embedding neighbours
-           (all-MiniLM-L6-v2, cosine). Each method's per-query latency and its process's peak RSS.
+           (all-MiniLM-L6-v2, cosine); and cached_same_token, the cache read for the training tokens that
+           predicted the answer token itself (CachedIndex.same_token_scores), with the coupled curvature and
+           with the block-diagonal one (the query's own active prototypes only: cached_same_token_block). Each
+           method's per-query latency and its process's peak RSS.
 report     recall@1, recall@10 (the share of a fact's planted sequences in the top 1 / 10) and MRR (first planted
-           sequence), over learned facts and over all, with a 95% bootstrap interval; one JSON line, and
-           WORK/report.md with the table.
+           sequence), over learned facts and over all, with a 95% bootstrap interval; and over all facts with the
+           "siblings" left out of the ranking (the copies of other facts with the same relation and answer, which
+           differ from this fact's statement only in the invented subject); one JSON line, and WORK/report.md.
 
 Ground truth of a fact: the training sequences whose text holds its whole statement (a copy cut by a window
 boundary taught the model nothing about it within one sequence, and counts in neither the truth nor the recall).
@@ -53,7 +57,10 @@ logger = logging.getLogger("bench.attribution_truth")
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("corpus", "train", "learned", "attribute", "report")
 RUNS = ("prism-planted", "prism-base", "dense-planted", "dense-base")
-METHODS = ("cached", "cached_rerank", "reference", "ekfac", "bm25", "embedding")
+METHODS = ("cached", "cached_rerank", "cached_same_token", "cached_same_token_block", "reference", "ekfac", "bm25",
+           "embedding")
+# run by this module, each in a child process of its own
+CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block")
 TOP = 10
 
 
@@ -488,8 +495,40 @@ def embedding_scores(texts: list[str], queries: list[str], model_name: str) -> t
     return np.stack(rows).astype(np.float32), build, (time.perf_counter() - t0) / len(queries)
 
 
+def same_token_scores(work: Path, mode: str = "coupled") -> tuple[np.ndarray, float]:
+    """The cache read differently (CachedIndex.same_token_scores): per fact, only the training tokens that predicted
+    its answer token through the prototypes the query reads; the mean seconds per query (its forward pass
+    included, as the cached level's query_ms)."""
+    import duckdb
+    import torch
+
+    from precompute.attribution import load_index
+    from prism.attribution import query_gradient
+
+    model, tokenizer = _load(work / "prism-planted" / "final")
+    con = duckdb.connect(str(_db(work)), read_only=True)
+    try:
+        index = load_index(con, model.lm_head.weight, mode=mode)
+    finally:
+        con.close()
+    out, t0 = [], time.perf_counter()
+    with torch.no_grad():
+        for fact in _read_jsonl(work / "facts.jsonl"):
+            ids = tokenizer(fact["prompt"], add_special_tokens=False)["input_ids"]
+            z, _ = model.final_states(torch.tensor([ids]))
+            active, rows = query_gradient(model, None, len(ids) - 1, fact["answer_token"], z=z[0, -1])
+            out.append(index.same_token_scores(active, rows, fact["answer_token"]))
+    return np.stack(out).astype(np.float32), (time.perf_counter() - t0) / len(out)
+
+
 def run_text_method(ns, work: Path, method: str) -> dict:
-    """bm25 or embedding, in this process (called in a child of its own by stage_attribute)."""
+    """bm25, embedding or cached_same_token, in this process (called in a child of its own by stage_attribute)."""
+    if method.startswith("cached_same_token"):
+        scores, per_query = same_token_scores(work, "block" if method.endswith("_block") else "coupled")
+        np.save(work / "scores" / f"{method}.npy", scores)
+        out = {"query_ms": round(1e3 * per_query, 3)}
+        (work / "scores" / f"{method}.json").write_text(json.dumps(out))
+        return out
     rows, _ = ground_truth(work)
     texts, queries = sequence_texts(rows), _query_texts(work)
     if method == "bm25":
@@ -517,7 +556,7 @@ def stage_attribute(ns, work: Path) -> dict:
         if method in out and (work / "scores" / f"{method}.npy").is_file():
             continue
         logger.info("attribution method %s", method)
-        if method in ("bm25", "embedding"):
+        if method in CHILD_METHODS:
             rss = _child(["-m", "bench.attribution_truth", *ns.argv, "--method", method], work / "attribute.log")
             out[method] = {**json.loads((work / "scores" / f"{method}.json").read_text()), "peak_rss_mb": round(rss)}
         else:
@@ -556,6 +595,13 @@ def stage_report(ns, work: Path) -> dict:
     attribute = json.loads((work / "attribute.json").read_text())
     is_learned, learned_by = learned_flags(learned, len(truth))
     scored = [i for i, t in enumerate(truth) if t]
+    facts = _read_jsonl(work / "facts.jsonl")
+    same: dict[tuple[str, str], list[int]] = {}
+    for i, fact in enumerate(facts):
+        same.setdefault((fact["relation"], fact["answer"]), []).append(i)
+    # siblings: the sequences of the other facts with the same statement but the subject (not this fact's own)
+    siblings = [sorted({s for j in same[(f["relation"], f["answer"])] if j != i for s in truth[j]} - set(truth[i]))
+                for i, f in enumerate(facts)]
     table = {}
     for method in METHODS:
         path = work / "scores" / f"{method}.npy"
@@ -563,6 +609,11 @@ def stage_report(ns, work: Path) -> dict:
             continue
         scores = np.load(path)
         per = {i: rank_metrics(scores[i], truth[i]) for i in scored}
+        apart = {}  # the same with other facts' copies that share this fact's relation and answer left out
+        for i in scored:
+            row_scores = scores[i].astype(np.float64).copy()
+            row_scores[siblings[i]] = -np.inf
+            apart[i] = rank_metrics(row_scores, truth[i])
         row = {"query_ms": attribute.get(method, {}).get("query_ms"),
                "peak_rss_mb": attribute.get(method, {}).get("peak_rss_mb")}
         for subset, ids in (("learned", [i for i in scored if is_learned[i]]), ("all", scored)):
@@ -570,8 +621,12 @@ def stage_report(ns, work: Path) -> dict:
                 values = [per[i][metric] for i in ids]
                 row[f"{subset}_{metric}"] = round(statistics.fmean(values), 3) if values else None
                 row[f"{subset}_{metric}_ci95"] = _bootstrap(values)
+        for metric in ("recall@1", f"recall@{TOP}", "mrr"):
+            values = [apart[i][metric] for i in scored]
+            row[f"siblings_apart_{metric}"] = round(statistics.fmean(values), 3) if values else None
         table[method] = row
     out = {"facts": len(truth), "facts_with_intact_copy": len(scored),
+           "facts_with_a_sibling": sum(bool(siblings[i]) for i in scored),
            "learned_prism": sum(is_learned[i] for i in scored), "learned_by": learned_by, "sequences": None,
            "methods": table,
            "learned": learned["summary"] if learned else None, "train": _maybe(work / "train.json"),
@@ -598,13 +653,14 @@ def markdown_table(out: dict) -> str:
              f"{out['learned_prism']} of them learned by PRISM: {out['learned_by']}); {out['sequences']} training "
              "sequences.", "",
              "| method | query ms | peak RSS MB | learned R@1 | learned R@10 | learned MRR | all R@1 | all R@10 | "
-             "all MRR |", "|---|---|---|---|---|---|---|---|---|"]
+             "all MRR | all R@10, siblings apart |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, r in out["methods"].items():
         cells = [method, r["query_ms"], r["peak_rss_mb"]]
         for subset in ("learned", "all"):
             for metric in ("recall@1", f"recall@{TOP}", "mrr"):
                 v, ci = r[f"{subset}_{metric}"], r[f"{subset}_{metric}_ci95"]
                 cells.append("-" if v is None else f"{v:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]")
+        cells.append(r[f"siblings_apart_recall@{TOP}"])
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -653,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="training sequences EK-FAC's factors are fitted on (0: all)")
     measure.add_argument("--embedder", default="default",
                          help="sentence-transformers model for the embedding method (default: the app's, offline)")
-    parser.add_argument("--method", choices=("bm25", "embedding"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--method", choices=CHILD_METHODS, default=None, help=argparse.SUPPRESS)
     return parser
 
 

@@ -701,6 +701,23 @@ class CachedIndex:
             self._exact_stage(total, parts, h_all)
         return total, parts
 
+    def same_token_scores(self, ids: torch.Tensor, rows: torch.Tensor, token: int) -> np.ndarray:
+        """The one-hot part of scores() restricted to the training tokens that predicted `token` itself: (N,)
+        -sum a (h_j . W[token]) over the read prototypes' entries whose target is `token`. It keeps, of a sequence's
+        summed gradient, only the positions where the same token was predicted through the prototypes the query
+        reads, so a sequence's other 255 tokens cannot drown them (bench.attribution_truth's cached_same_token)."""
+        read, x, _ = self._preconditioned(ids, rows)
+        h = x @ self.whitening.output_vectors.T  # (m, d)
+        dots = (h @ self.output_embeddings[int(token)]).numpy()  # (m,)
+        out = np.zeros(self.n_sequences, np.float64)
+        for j, p in enumerate(read.tolist()):
+            lo, hi = int(self.entry_offsets[self.offsets[p]]), int(self.entry_offsets[self.offsets[p + 1]])
+            hit = np.flatnonzero(self.entry_targets[lo:hi] == token) + lo
+            if len(hit):
+                out -= np.bincount(self.entry_sequence[hit], self.entry_activations[hit] * dots[j],
+                                   minlength=self.n_sequences)
+        return out
+
     def _exact_stage(self, total: np.ndarray, parts: dict[int, np.ndarray], h_all: torch.Tensor) -> None:
         """Stage two with the exact store: the `rerank` best sequences of the first stage get their exact scores
         (the reference's, for the same query) and exact shares per prototype; the others keep the first stage's.

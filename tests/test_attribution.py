@@ -224,6 +224,36 @@ def test_cached_vectors_are_projected_exact_gradients_of_each_sequence(loaded):
                                    atol=1e-4 * max(1.0, float(np.abs(expected).max())), rtol=1e-3)
 
 
+@torch.no_grad()
+def test_same_token_scores_keep_only_the_tokens_that_predicted_the_queried_token(loaded):
+    """CachedIndex.same_token_scores against the training side recomputed from the model: for every sequence,
+    -sum over its positions predicting `token` and the read prototypes active there of a (h_i . W[token])."""
+    model, con = loaded["model"], loaded["con"]
+    index = cache.load_index(con, model.lm_head.weight)
+    sid, queries = _planted_queries(loaded)
+    W = model.lm_head.weight.float()
+    for q in queries[:3]:
+        ids, rows = query_gradient(model, q.prefix(), q.position, q.token)
+        read, x = index.preconditioned_query(ids, rows)
+        h = {int(p): x[j] @ index.whitening.output_vectors.T for j, p in enumerate(read.tolist())}
+        expected = np.zeros(len(loaded["sequences"]))
+        for s, seq in enumerate(loaded["sequences"]):
+            t = torch.from_numpy(seq[None])
+            z, _ = model.final_states(t)
+            stats = token_statistics(model, z, next_token_targets(t))
+            for pos in (stats.target == q.token).nonzero().flatten().tolist():
+                for slot, p in enumerate(stats.prototype_ids[pos].tolist()):
+                    a = float(stats.activations[pos, slot])
+                    if a > 0 and p in h:
+                        expected[s] -= a * float(h[p] @ W[q.token])
+        got = index.same_token_scores(ids, rows, q.token)
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
+        assert got[sid] > 0 and int(np.argmax(got)) == sid  # the planted window predicts this token; no other does
+    predicted = {int(t) for seq in loaded["sequences"] for t in seq[1:]}
+    never = next(t for t in range(model.vocab_size) if t not in predicted)
+    assert not np.any(index.same_token_scores(ids, rows, never))  # no training token predicted it
+
+
 def _planted_queries(loaded) -> tuple[int, list[Query]]:
     """Queries that contain the planted document's first window, exactly or with one early token changed.
 
