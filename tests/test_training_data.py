@@ -87,6 +87,7 @@ def test_first_start_build_answers_as_a_cache_built_by_hand(assets, tmp_path):
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
     html, data = attribution_panel(studio, "original", 2, Session(original=gen))
     assert "Training data behind token 2" in html and data["sequences"][0]["sequence_id"] == want[0][0]
+    assert html.count("prism-attribution-measured") == 1 and "planted" in html  # what the recall means, once
     # a second app process on this machine finds the finished cache and starts nothing
     again = training_data.FirstStartBuild(assets["model"], recipe, path)
     again.start()
