@@ -685,15 +685,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--backbone", default="smollm2", help="prism.train's --backbone")
     train.add_argument("--epochs", type=float, default=3.0, help="passes over the training tokens")
     train.add_argument("--n-layers", type=int, default=2, help="top decoder layers that train")
-    train.add_argument("--n-prototypes", type=int, default=4096)
-    train.add_argument("--top-k", type=int, default=32)
+    train.add_argument("--n-prototypes", type=int, default=4096, help="prototypes in the bank (the shipped K)")
+    train.add_argument("--top-k", type=int, default=32, help="active prototypes per token (the shipped k)")
     train.add_argument("--lambda-path-kl", type=float, default=0.0,
                        help="the shipped model's KL term (1.0 there); off by default: on an AVX2-only CPU it takes "
                             "a step from ~3.8 to ~7.3 s, and the benchmark trains two PRISM models")
-    train.add_argument("--seq-len", type=int, default=256)
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=3e-4)
-    train.add_argument("--autocast", default="auto", choices=("auto", "none", "bfloat16"))
+    train.add_argument("--seq-len", type=int, default=256,
+                       help="tokens per training sequence, and per window the methods rank")
+    train.add_argument("--batch-size", type=int, default=8, help="sequences per step and per forward pass")
+    train.add_argument("--lr", type=float, default=3e-4, help="learning rate of the trained layers")
+    train.add_argument("--autocast", default="auto", choices=("auto", "none", "bfloat16"),
+                       help="prism.train's --autocast (auto: bfloat16 only where it is native and faster)")
     train.add_argument("--runs", default=",".join(RUNS), help="which of the four runs to train (the rest later)")
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--learned-nats", type=float, default=1.0,
