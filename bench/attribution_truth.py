@@ -31,6 +31,10 @@ report     recall@1, recall@10 (the share of a fact's planted sequences in the t
 
 Ground truth of a fact: the training sequences whose text holds its whole statement (a copy cut by a window
 boundary taught the model nothing about it within one sequence, and counts in neither the truth nor the recall).
+
+Length: about 760 lines, on purpose: like prism/train.py, it reads top to bottom in the order a run happens (corpus,
+training, learned, the methods, the report), each stage beside the record that lets it resume, and the methods it
+does not borrow from bench/attribution.py (BM25, embeddings, the same-token reading) are a few lines each.
 """
 
 from __future__ import annotations
