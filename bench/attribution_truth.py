@@ -594,7 +594,7 @@ def _bootstrap(values: list[float], seed: int = 0, n: int = 2000) -> list[float]
 
 
 def stage_report(ns, work: Path) -> dict:
-    _, truth = ground_truth(work)
+    rows, truth = ground_truth(work)
     learned = json.loads((work / "learned.json").read_text()) if (work / "learned.json").is_file() else None
     attribute = json.loads((work / "attribute.json").read_text())
     is_learned, learned_by = learned_flags(learned, len(truth))
@@ -635,7 +635,6 @@ def stage_report(ns, work: Path) -> dict:
            "methods": table,
            "learned": learned["summary"] if learned else None, "train": _maybe(work / "train.json"),
            "cache": attribute.get("cache")}
-    rows, _ = ground_truth(work)
     out["sequences"] = len(rows)
     if "cached" in table and "ekfac" in table and table["cached"]["query_ms"]:
         out["speedup_cached_vs_ekfac"] = round(table["ekfac"]["query_ms"] / table["cached"]["query_ms"], 1)
@@ -733,7 +732,7 @@ def main(argv: list[str] | None = None) -> dict:
             cli.fail(parser, f"unknown {name} {bad}; choose from {', '.join(allowed)}")
     if ns.tokens < ns.batch_size * ns.seq_len or ns.facts < 1 or ns.epochs <= 0:
         cli.fail(parser, "--tokens must hold one batch, --facts >= 1 and --epochs > 0")
-    ns.argv = [a for a in argv]
+    ns.argv = list(argv)
     work = Path(ns.work)
     work.mkdir(parents=True, exist_ok=True)
     if ns.method is not None:  # a child process: one text method
