@@ -268,3 +268,81 @@ def test_pushes_side_names_a_shared_kind_or_one_line_break():
     # a single line break reads as one
     text, _ = twosided.pushes_part(card(["\n", "\n", "\n"], [("\n", 1.0)]))
     assert text == "a line break"
+
+
+def _fires_card(tokens):
+    """A card whose evidence (strongest first) fires on `tokens`, each between two made-up words."""
+    from precompute.labels.cards import EvidenceContext, PrototypeCard
+
+    evidence = [EvidenceContext(i, t, 1.0 - i / 100, [" zorb", t, " quint"], [0.0, 1.0, 0.0], 1)
+                for i, t in enumerate(tokens)]
+    return PrototypeCard(0, evidence)
+
+
+def test_fires_on_names_the_tokens_most_evidence_shows_in_any_case_strongest_first():
+    from precompute.labels import contrast
+
+    # 'Today'/'today' (5) counts once across case; 'Now' and 'Let' (4 each) tie, and the stronger evidence wins the
+    # tie, not the alphabet ('Let' < 'Now'); listing stops once half the evidence is covered (5 + 4 of 16)
+    tokens = [" Today", " Now", " Today", " Let", " Today", " Now", " today", " Let", " year", " Now", " Let",
+              " Today", " Let", " Now", " year", " But"]
+    bare = contrast.heads(_fires_card(tokens))[-1]
+    assert bare == "'Today'/'Now'"
+    covered = sum(t.strip().lower() in {"today", "now"} for t in tokens) / len(tokens)
+    assert covered >= contrast.BARE_COVER
+    # a token seen once is never listed after the first, even when half is not reached
+    bare = contrast.heads(_fires_card([" of", " of", " of", " over", " gained", " secure", " reduced", " when"]))[-1]
+    assert bare == "'of'"
+    # a majority token is named with its kind, and alone
+    heads = contrast.heads(_fires_card([" that", " That", " good", " that", " like", " that"]))
+    assert heads[0].endswith("'that'") and heads[-1] == "'that'"
+
+
+def test_topic_support_is_the_share_of_contexts_on_the_topic_one_by_one():
+    rng = np.random.default_rng(0)
+    topic = rng.normal(size=8)
+    topic /= np.linalg.norm(topic)
+    vectors = rng.normal(size=(20, 8))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    mean, sd = 0.05, 0.2
+    expected = sum(float(v @ topic) >= mean + twosided.TOPIC_SUPPORT_Z * sd for v in vectors) / len(vectors)
+    assert twosided.topic_support(vectors, topic, mean, sd) == pytest.approx(expected)
+    assert twosided.topic_support(np.tile(topic, (5, 1)), topic, mean, sd) == 1.0  # all on it
+    assert twosided.topic_support(np.zeros((0, 8)), topic, mean, sd) == 0.0
+
+
+def test_blind_read_sheet_hides_which_label_is_which_and_score_unblinds(db, tmp_path, capsys):
+    import json
+    import random
+    import shutil
+
+    from bench import label_blind_read as blind
+
+    path, rows = db
+    other = tmp_path / "other.duckdb"
+    shutil.copy(path, other)
+    con = connect(other)
+    con.execute("UPDATE labels SET fires_on = 'OTHER ' || fires_on, label = 'OTHER ' || label")
+    con.close()
+    key_path = tmp_path / "key.json"
+    blind.main(["sheet", "--db", str(path), "--against", str(other), "--key", str(key_path), "--n", "3",
+                "--seed", "5"])
+    text = capsys.readouterr().out
+    key = json.loads(key_path.read_text())
+    live = sorted(pid for pid in rows if pid != 5)  # 5 is the dead one
+    ids = random.Random(5).sample(live, 3)
+    assert list(map(int, key)) == ids and text.count("verdict:") == 3
+    assert str(path) not in text and str(other) not in text  # the sheet does not say which is which
+    for pid in ids:  # the label shown as OTHER is the one the key says comes from the other database
+        block = text.split(f"## #{pid}\n")[1].split("## #")[0]
+        a_side = block.split("**A**")[1].split("**B**")[0]
+        assert ("OTHER" in a_side) == (key[str(pid)]["A"] == str(other))
+    # the reader calls every OTHER label wrong and the rest right: unblinded, each database gets its own verdicts
+    verdicts = {pid: {side: "wrong" if key[pid][side] == str(other) else "right" for side in "AB"} for pid in key}
+    tally = blind.score(verdicts, key)
+    assert tally[str(other)]["wrong"] == 3 and tally[str(path)]["right"] == 3 and tally[str(path)]["right_share"] == 1
+    with pytest.raises(ValueError, match="not one of"):
+        blind.score({str(ids[0]): "fine"}, None)
+    with pytest.raises(SystemExit):  # two databases without a key would print a sheet that cannot be unblinded
+        blind.main(["sheet", "--db", str(path), "--against", str(other)])
+    assert "needs --key" in capsys.readouterr().err

@@ -65,6 +65,8 @@ MIN_SHARE = 0.3  # a word before/after, a position or a source must cover this s
 MIN_LEAD = 0.15  # ... and this much more than among the siblings (or all evidence) to be named
 N_WORDS = 6  # distinctive context words named at most (fewer when the label would pass MAX_LABEL_CHARS)
 MIN_CONTEXTS = 2  # a context word is named only when it occurs in this many visible contexts
+BARE_COVER = 0.5  # a bare head lists the commonest evidence tokens until they cover this share of it ...
+BARE_MAX = 3  # ... naming at most this many
 RANDOM_WEIGHT = 0.8  # candidate objective: this * AUROC vs other prototypes + the rest * AUROC vs siblings
 # Phrases that say nothing about a prototype; the goals of issue 14 count labels containing them as catch-alls.
 CATCH_ALL = re.compile(r"\b(mixed|misc|miscellaneous|various|assorted|unclear)\b", re.IGNORECASE)
@@ -250,29 +252,51 @@ def _display(core: str) -> str:
 
 def heads(card: PrototypeCard) -> list[str]:
     """Ways to name the tokens: by kind ("determiner 'the'", "suffix -eth (saith)", "prepositions (of, in)") and
-    bare ("'the'", "'thou'/'thee'"); several unrelated tokens are listed, not called mixed."""
+    bare ("'the'", "'Today'/'Let'/'Now'"); several unrelated tokens are listed, not called mixed.
+
+    A word counts once in any case ("Today" and "today"), and of tokens seen equally often the one with the stronger
+    evidence (the lower rank) comes first, never the alphabetically first: a bare head lists the commonest tokens
+    until they cover BARE_COVER of the evidence (at most BARE_MAX, each after the first seen at least twice), so
+    it names what most contexts show."""
     kinds = [token_kind(e.context_tokens[e.token_index], e.context_tokens, e.token_index) for e in card.evidence]
     n = len(kinds)
-    cores = Counter(k.core for k in kinds)
-    top, n_top = min(cores.items(), key=lambda kv: (-kv[1], kv[0]))
-    kind, n_kind = min(Counter(k.kind for k in kinds).items(), key=lambda kv: (-kv[1], kv[0]))
+    cores = _first_ranked(k.core.lower() for k in kinds)
+    spelling = {key: _first_ranked(k.core for k in kinds if k.core.lower() == key)[0][0] for key, _ in cores}
+    top, n_top = cores[0]
+    kind, n_kind = _first_ranked(k.kind for k in kinds)[0]
     out = []
     if kind in ("suffix", "inner", "prefix") and n_kind / n >= 0.6:
         phrase = OfflineLabeler._piece_phrase(kind, [k for k in kinds if k.kind == kind])
         out.append(phrase.split(" (")[0] if len(phrase) > 40 else phrase)
     elif n_top / n >= 0.5:
-        top_kind = next(k for k in kinds if k.core == top)
+        top_kind = next(k for k in kinds if k.core.lower() == top)
         singular = KIND_PHRASES[top_kind.kind][1]
         out.append(singular if top_kind.kind == "whitespace" else f"{singular} {_display(top_kind.example)}")
     elif n_kind / n >= 0.6:
-        examples = [c for c, _ in sorted(Counter(k.example for k in kinds if k.kind == kind).items(),
-                                         key=lambda kv: (-kv[1], kv[0]))[:3]]
+        examples = [c for c, _ in _first_ranked(k.example for k in kinds if k.kind == kind)[:3]]
         out.append(f"{KIND_PHRASES[kind][0]} ({', '.join(e or 'line break' for e in examples)})")
-    ranked = [c for c, _ in sorted(cores.items(), key=lambda kv: (-kv[1], kv[0]))]
-    bare = "/".join(_display(c) for c in ranked[:2 if n_top / n < 0.5 else 1])
+    named, covered = [], 0
+    for key, count in cores[:BARE_MAX]:
+        if named and count < 2:
+            break  # a token seen once says nothing about the rest
+        named.append(_display(spelling[key]))
+        covered += count
+        if covered / n >= BARE_COVER:
+            break
+    bare = "/".join(named)
     if bare not in out:
         out.append(bare)
     return out
+
+
+def _first_ranked(items) -> list[tuple[str, int]]:
+    """[(item, count)] commonest first; equal counts in the order first seen (evidence comes strongest first)."""
+    counts: Counter = Counter()
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        counts[item] += 1
+        first.setdefault(item, i)
+    return sorted(counts.items(), key=lambda kv: (-kv[1], first[kv[0]]))
 
 
 def modifiers(p: Profile, ref: Profile, card: PrototypeCard, background: Profile | None = None) -> dict[str, str]:

@@ -12,14 +12,14 @@ wrong side: suppressing "'unto' after 'said'" does not remove "unto". A v3 label
                ("names (Hebron, Bethlehem)", "words (eat, take)"); else the signature's top tokens (pushes_part)
     label      "fires_on → pushes", e.g. "'unto' after 'said' → names (Moses, Aaron)"
 
-and two levels, as in the paper's demo: the broad category of the paper's taxonomy and a specific topic,
-"religion - scripture". The topic is the entry of a written vocabulary (TOPICS: a name, its category and a
-description) closest to the centre (mean) of the prototype's visible context embeddings, scored as a z-score against
-the centres of random sets of as many contexts (so a description close to everything does not win everywhere); below
-TOPIC_MIN there is no topic. The category keeps the token rules where they decide (word pieces, numbers, URLs,
-currency, boilerplate, and a function word whose next tokens are one field: v1's slot rule); a function-word
-prototype whose contexts have a clear topic (z >= TOPIC_STRONG) takes the topic's category, and so does a
-content-word prototype with any topic.
+and two levels, as in the paper's demo: the broad category of the paper's taxonomy and a specific topic, "religion -
+scripture". The topic is the entry of a written vocabulary (TOPICS: a name, its category and a description) closest
+to the centre (mean) of the prototype's visible context embeddings, scored as a z-score against the centres of
+random sets of as many contexts (so a description close to everything does not win everywhere); below TOPIC_MIN, or
+when fewer than TOPIC_SUPPORT of the contexts are on it one by one, there is no topic. The category keeps the token
+rules where they decide (word pieces, numbers, URLs, currency, boilerplate, and a function word whose next tokens
+are one field: v1's slot rule); a function-word prototype whose contexts have a clear topic (z >= TOPIC_STRONG)
+takes the topic's category, and so does a content-word prototype with any topic.
 
 Which fires_on candidate is chosen: v2's objective on the visible evidence, for the whole label, with the marked
 scorer of detection.py in place of the bare embedding (the scorer the held-out detection scores use); labels are
@@ -62,6 +62,8 @@ PUSH_GROUPS = {"proper noun": "names", "content": "words", "number": "numbers", 
 TOPIC_MIN = 2.5  # z-score (against random sets of contexts) from which a topic is named
 TOPIC_STRONG = 3.5  # ... and from which it also decides the category of a function-word prototype
 N_CONTEXTS = 16  # contexts per random set in the topic calibration (a prototype shows 16 visible ones)
+TOPIC_SUPPORT = 0.5  # ... and only when this share of the visible contexts is on the topic one by one:
+TOPIC_SUPPORT_Z = 1.0  # its own similarity to the topic at least this z-score against single random contexts
 _SPECIAL = re.compile(r"<\|[^|]*\|>|<s>|</s>")  # a tokenizer's special tokens: never named as pushed
 RULE_KEPT = ("morphology", "numbers/time", "urls", "finance", "boilerplate")  # categories the token rules decide
 
@@ -205,6 +207,8 @@ class TwoSidedLabeler(contrast.ContrastiveLabeler):
         self._topics: np.ndarray | None = None  # (T, D)
         self._topic_mean = np.zeros(len(TOPICS))  # (T,) see _calibrate_topics
         self._topic_sd = np.ones(len(TOPICS))  # (T,)
+        self._single_mean = np.zeros(len(TOPICS))  # (T,) the same for single contexts
+        self._single_sd = np.ones(len(TOPICS))  # (T,)
 
     def prepare(self, background: np.ndarray) -> None:
         super().prepare(background)
@@ -228,6 +232,8 @@ class TwoSidedLabeler(contrast.ContrastiveLabeler):
                             for _ in range(n_sets)])  # (n_sets, D)
         sims = centres @ self._topics.T  # (n_sets, T)
         self._topic_mean, self._topic_sd = sims.mean(axis=0), np.maximum(sims.std(axis=0), 1e-6)
+        single = sample @ self._topics.T  # (S, T) one context at a time, for TOPIC_SUPPORT
+        self._single_mean, self._single_sd = single.mean(axis=0), np.maximum(single.std(axis=0), 1e-6)
 
     def topic(self, ctx: contrast.ContrastContext, pid: int) -> tuple[str | None, str | None, float]:
         """(topic, its category, z-score) of a prototype's visible contexts: the similarity of their centre to each
@@ -239,7 +245,8 @@ class TwoSidedLabeler(contrast.ContrastiveLabeler):
             self._topics = topic_vectors()
         z = (self._topics @ _unit(ctx.vectors[rows].mean(axis=0)) - self._topic_mean) / self._topic_sd  # (T,)
         best = int(np.argmax(z))
-        if z[best] < TOPIC_MIN:
+        if z[best] < TOPIC_MIN or topic_support(ctx.vectors[rows], self._topics[best], self._single_mean[best],
+                                                self._single_sd[best]) < TOPIC_SUPPORT:
             return None, None, float(z[best])
         return TOPICS[best][0], TOPICS[best][1], float(z[best])
 
@@ -305,6 +312,15 @@ def fires_candidates(ctx: contrast.ContrastContext, card: PrototypeCard) -> list
     mods.pop("promotes", None)
     out = [t for t in contrast.candidates(contrast.heads(visible), mods) if len(t) <= MAX_FIRES_CHARS]
     return out or [contrast.heads(visible)[0][:MAX_FIRES_CHARS]]
+
+
+def topic_support(vectors: np.ndarray, topic: np.ndarray, mean: float, sd: float) -> float:
+    """The share of contexts (rows of vectors) that are on the topic one by one: their similarity to its description
+    at least TOPIC_SUPPORT_Z standard deviations above a single random context's. A centre can lean toward a topic
+    because a few contexts are about it; a topic is named only when most are."""
+    if not len(vectors):
+        return 0.0
+    return float(np.mean((vectors @ topic - mean) / sd >= TOPIC_SUPPORT_Z))
 
 
 def _unit(v: np.ndarray) -> np.ndarray:
