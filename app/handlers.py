@@ -477,17 +477,19 @@ def clear_explanation(control: RunControl | None = None):
 
 
 @guarded
-def attribute(studio: Studio, run: str, index, session: Session):
-    """The training-data panel for one generated token (app/attribution.py): (html, data)."""
-    return attribution_panel(studio, run, index, session)
+def attribute(studio: Studio, run: str, index, session: Session, reading="token"):
+    """The training-data panel for one generated token (app/attribution.py), read as `reading` says ('token' or
+    'sequence'): (html, data)."""
+    return attribution_panel(studio, run, index, session, reading)
 
 
 @guarded
-def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session):
-    """The training-data panel follows the explained token; with no token explained it is empty."""
+def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session, reading="token"):
+    """The training-data panel follows the explained token and the chosen reading; with no token explained it is
+    empty."""
     if not token:
         return EMPTY_ATTRIBUTION, None
-    return attribution_panel(studio, run, index, session)
+    return attribution_panel(studio, run, index, session, reading)
 
 
 # ----------------------------------------------------------------------------------------------------------------

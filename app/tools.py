@@ -19,7 +19,7 @@ import math
 import gradio as gr
 
 from app import interventions, limits
-from app.attribution import attribute_token
+from app.attribution import attribute_token, check_reading
 from app.core import GenerationSettings, Studio
 from app.errors import AppError
 from app.generation import Generation
@@ -247,7 +247,7 @@ def register(studio: Studio, model: dict | None = None) -> None:
 
     @guarded
     def training_data(prompt: str, index: int, max_new_tokens: int = 24, temperature: float = 0.0, seed: int = 0,
-                      top: int = 10, request: gr.Request = None) -> dict:
+                      top: int = 10, reading: str = "token", request: gr.Request = None) -> dict:
         """The training sequences that most lowered the loss of generated token `index` (cached prototype-space
         influence through the token's active prototypes): document ids, spans and scores, best first.
 
@@ -258,11 +258,14 @@ def register(studio: Studio, model: dict | None = None) -> None:
             temperature: 0 for greedy.
             seed: the sampling seed.
             top: how many sequences (1 to 50).
+            reading: "token" (the positions where a sequence predicted this same token through its active
+                prototypes; the default) or "sequence" (the sequence's whole loss).
         """
+        check_reading(reading)
         settings = _settings(studio, prompt, max_new_tokens, temperature, seed)
         _admit(studio, request, settings, 1)
         gen = studio.generate(settings)
-        data = attribute_token(studio, gen, index, top=limits.whole("top", top, 1, 50))
+        data = attribute_token(studio, gen, index, top=limits.whole("top", top, 1, 50), reading=reading)
         data["sequences"] = [{k: v for k, v in r.items() if k not in ("segments", "sha256")}
                              for r in data["sequences"]]
         return data

@@ -18,6 +18,7 @@ from app import handlers as h
 from app import interventions as iv
 from app import plots, tools, training_data
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
+from app.attribution import READING_CHOICES
 from app.cards import NO_CARD_PLOT
 from app.cards import NO_PROTOTYPE as NO_CARD
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
@@ -267,7 +268,10 @@ def _generate_panel(c: Components, studio: Studio) -> None:
     c["active"] = gr.Dataframe(headers=h.ACTIVE_HEADERS, label="Active prototypes (click a row)", interactive=False,
                                elem_id="active", wrap=True, column_widths=["44px", "226px", "130px", "112px", "130px"])
     with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
-        c["attribute_btn"] = gr.Button("Find the training data", elem_id="attribute")
+        with gr.Row():
+            c["attribute_btn"] = gr.Button("Find the training data", elem_id="attribute", scale=1)
+            c["reading"] = gr.Radio(READING_CHOICES, value="token", label="Count a training sequence by",
+                                    elem_id="attribution-reading", scale=2)
         c["attribution_html"] = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
         _training_data_status(studio)
         c["attribution_json"] = gr.JSON(visible=False)
@@ -466,10 +470,12 @@ def _wire(c: Components, studio: Studio, concurrency: int, demo: gr.Blocks) -> N
 
     # Training data behind the selected token: on request, and whenever a token's decomposition arrives.
     attribution = c.outputs("attribution_html", "attribution_json")
-    c.attribute_btn.click(partial(h.attribute, studio), [c.run, c.index, c.session], attribution,
+    c.attribute_btn.click(partial(h.attribute, studio), [c.run, c.index, c.session, c.reading], attribution,
                           api_name="attribute", **model)
-    c.token_json.change(partial(h.refresh_attribution, studio), [c.token_json, c.run, c.index, c.session],
-                        attribution, api_name=False, **model)
+    c.token_json.change(partial(h.refresh_attribution, studio),
+                        [c.token_json, c.run, c.index, c.session, c.reading], attribution, api_name=False, **model)
+    c.reading.change(partial(h.refresh_attribution, studio),
+                     [c.token_json, c.run, c.index, c.session, c.reading], attribution, api_name=False, **model)
 
     # Links, exports, imports. Gradio passes gr.Request only to functions whose own annotations name it (not
     # through a partial).

@@ -639,11 +639,12 @@ class CachedIndex:
         read, x, _ = self._preconditioned(ids, rows)
         return read, x
 
-    def _preconditioned(self, ids: torch.Tensor, rows: torch.Tensor):
-        """preconditioned_query's (read, x) and the whole h Q_S (K, d) (None in the block mode)."""
+    def _preconditioned(self, ids: torch.Tensor, rows: torch.Tensor, mode: str | None = None):
+        """preconditioned_query's (read, x) and the whole h Q_S (K, d) (None in the block mode); mode: the index's
+        unless given (the block mode needs only the whitening, so any index can read that way)."""
         ids = ids.long()
         w = self.whitening
-        if self.mode == "block":
+        if (mode or self.mode) == "block":
             scale = w.coactivation_diag[ids][:, None] * w.output_values[None] + w.damping  # (k, d)
             return ids, (rows.float() @ w.output_vectors) / scale, None
         h = self.coupling.precondition_sparse(ids, rows)  # (K, d)
@@ -706,17 +707,32 @@ class CachedIndex:
         -sum a (h_j . W[token]) over the read prototypes' entries whose target is `token`. It keeps, of a sequence's
         summed gradient, only the positions where the same token was predicted through the prototypes the query
         reads, so a sequence's other 255 tokens cannot drown them (bench.attribution_truth's cached_same_token)."""
-        read, x, _ = self._preconditioned(ids, rows)
+        return self.token_scores(ids, rows, token, mode=self.mode)[0]
+
+    def token_scores(self, ids: torch.Tensor, rows: torch.Tensor, token: int,
+                     mode: str = "block") -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """same_token_scores with each read prototype's share, {prototype_id: (N,)} (they add up to the scores),
+        preconditioned by `mode` whatever the index's ("block", the default: the query's active prototypes only,
+        which found the planted documents best in bench.attribution_truth). The app's "where they predicted this
+        token" reading."""
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        if mode == "coupled" and self.coupling is None:
+            raise ValueError("the coupled mode needs the full curvature, and this index has none")
+        token = int(token)
+        if not 0 <= token < len(self.output_embeddings):
+            raise ValueError(f"token must be in [0, {len(self.output_embeddings)}), got {token}")
+        read, x, _ = self._preconditioned(ids, rows, mode)
         h = x @ self.whitening.output_vectors.T  # (m, d)
-        dots = (h @ self.output_embeddings[int(token)]).numpy()  # (m,)
-        out = np.zeros(self.n_sequences, np.float64)
+        dots = (h @ self.output_embeddings[token]).numpy()  # (m,)
+        parts = {}
         for j, p in enumerate(read.tolist()):
             lo, hi = int(self.entry_offsets[self.offsets[p]]), int(self.entry_offsets[self.offsets[p + 1]])
             hit = np.flatnonzero(self.entry_targets[lo:hi] == token) + lo
-            if len(hit):
-                out -= np.bincount(self.entry_sequence[hit], self.entry_activations[hit] * dots[j],
-                                   minlength=self.n_sequences)
-        return out
+            parts[p] = -np.bincount(self.entry_sequence[hit], self.entry_activations[hit] * dots[j],
+                                    minlength=self.n_sequences).astype(np.float64)
+        total = np.sum(list(parts.values()), axis=0) if parts else np.zeros(self.n_sequences, np.float64)
+        return total, parts
 
     def _exact_stage(self, total: np.ndarray, parts: dict[int, np.ndarray], h_all: torch.Tensor) -> None:
         """Stage two with the exact store: the `rerank` best sequences of the first stage get their exact scores

@@ -39,7 +39,7 @@ def studio(assets):
 
 def test_studio_attributes_a_generated_token_from_the_cache(studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
-    data = attribute_token(studio, gen, 2, top=5)
+    data = attribute_token(studio, gen, 2, top=5, reading="sequence")
     assert data["index"] == 2 and data["token_id"] == gen.steps[2].token_id
     rows = data["sequences"]
     assert len(rows) == 5 and [r["rank"] for r in rows] == list(range(5))
@@ -58,12 +58,30 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
         assert r["doc_id"].startswith("doc-") and r["error"] is None and r["char_end"] > r["char_start"]
         assert sum(s["target"] for s in r["segments"]) <= 1 and "".join(s["text"] for s in r["segments"])
         assert sum(p["contribution"] for p in r["prototypes"]) == pytest.approx(r["score"], rel=1e-4, abs=1e-6)
-    html, payload = attribution_panel(studio, "original", 2, Session(original=gen))
+    html, payload = attribution_panel(studio, "original", 2, Session(original=gen), "sequence")
     assert "Training data behind token 2" in html and html.count("prism-attribution\"") == 10
     assert payload["sequences"][0]["doc_id"] == rows[0]["doc_id"] and "segments" not in payload["sequences"][0]
+    assert "whole loss gradient" in html
+    # the default reading: only the positions where a sequence predicted this same token, block-diagonally
+    token = gen.steps[2].token_id
+    data = attribute_token(studio, gen, 2, top=5)
+    assert data["reading"] == "token"
+    total, _ = index.token_scores(ids, g, token)
+    expected = np.sort(total[total > 0])[::-1][:5]
+    assert len(expected) > 0
+    np.testing.assert_allclose([r["score"] for r in data["sequences"]], expected, rtol=1e-4, atol=1e-6)
+    for r in data["sequences"]:
+        assert sum(p["contribution"] for p in r["prototypes"]) == pytest.approx(r["score"], rel=1e-4, abs=1e-6)
+        marked = [i for i, seg in enumerate(r["segments"]) if seg["target"]]
+        assert len(marked) == 1  # the strongest highlighted position is followed by the queried token itself
+        assert r["segments"][marked[0] + 1]["text"] == studio.tokenizer.decode([token])
+    html, _ = attribution_panel(studio, "original", 2, Session(original=gen))
+    assert f"predicted {repr(data['token'])}" in html.replace("&#x27;", "'") and "91%" in html
+    html, payload = attribution_panel(studio, "original", 2, Session(original=gen), "everything")
+    assert payload is None and "reading must be" in html
     # a prompt token: the query gradient of the logit the model gave it, from the prompt before it alone
     n = len(gen.prompt_ids)
-    data = attribute_token(studio, gen, n - 1, top=5, in_prompt=True)
+    data = attribute_token(studio, gen, n - 1, top=5, in_prompt=True, reading="sequence")
     assert data["in_prompt"] and data["position"] == n - 2 and data["token_id"] == gen.prompt_ids[-1]
     ids, g = query_gradient(studio.model, torch.tensor([list(gen.prompt_ids)]), n - 2, gen.prompt_ids[-1])
     scores, _ = index.scores(ids, g)
@@ -103,7 +121,11 @@ def test_attribute_endpoint(app, studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
     expected = attribute_token(studio, gen, 2)
     assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
-    assert "Training data behind token 2" in html
+    assert "Training data behind token 2" in html and data["reading"] == "token"
+    html, data = client.predict("original", 2, "sequence", api_name="/attribute")
+    expected = attribute_token(studio, gen, 2, reading="sequence")
+    assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
+    assert data["reading"] == "sequence" and "whole loss gradient" in html
 
 
 def test_click_a_token_and_see_its_training_data(app, browser):
@@ -120,9 +142,12 @@ def test_click_a_token_and_see_its_training_data(app, browser):
     page.wait_for_function("document.querySelector('#attribution').innerText.includes('Training data behind "
                            "token 2')")
     cards = page.locator("#attribution .prism-attribution")
-    assert cards.count() == 10
+    assert 1 <= cards.count() <= 10  # by default only sequences that predicted this token count
     assert "score" in cards.first.inner_text() and "doc-" in cards.first.inner_text()
     assert page.locator("#attribution span[style*='outline']").count() >= 1  # the strongest token is marked
+    page.get_by_label("their whole loss").check()  # the other reading: the same token, the sequences' whole loss
+    page.wait_for_function("document.querySelector('#attribution').innerText.includes('whole loss gradient')")
+    assert cards.count() == 10
     page.locator("#attribution").scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "app-attribution.png"), full_page=True)
     page.close()

@@ -97,7 +97,7 @@ def _cases(studio, session, tmp_path):
         ("contrast", lambda *a: handlers.contrast(studio, *a), ["original", 1, " the", session]),
         ("search", lambda *a: handlers.search(studio, *a), ["the", "label", "all", "relevance"]),
         ("map", lambda *a: handlers.map_plot(studio, *a), ["the", [[1, "a"]], {"prototype_id": 2}, "all"]),
-        ("attribute", lambda *a: handlers.attribute(studio, *a), ["original", 1, session]),
+        ("attribute", lambda *a: handlers.attribute(studio, *a), ["original", 1, session, "token"]),
         ("link", lambda *a: handlers.share_link(studio, *a), [PROMPT, 4, 0, 1, 0, "original", token, session]),
         ("export_evidence", lambda *a: handlers.export_evidence(studio, *a), [3]),
         ("import", lambda *a: handlers.import_interventions(studio, *a), [str(upload), session]),
@@ -115,7 +115,7 @@ def _cases(studio, session, tmp_path):
         ("search_prototypes", tool["search_prototypes"], ["the", "label", 5]),
         ("prototype_card", tool["prototype_card"], [3, 2]),
         ("compare_interventions", tool["compare_interventions"], [PROMPT, [1], None, 3, 0, 0]),
-        ("training_data", tool["training_data"], [PROMPT, 1, 3, 0, 0, 3]),
+        ("training_data", tool["training_data"], [PROMPT, 1, 3, 0, 0, 3, "token"]),
     ]
 
 

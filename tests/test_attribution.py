@@ -254,6 +254,46 @@ def test_same_token_scores_keep_only_the_tokens_that_predicted_the_queried_token
     assert not np.any(index.same_token_scores(ids, rows, never))  # no training token predicted it
 
 
+@torch.no_grad()
+def test_token_scores_read_any_index_block_diagonally_with_shares_that_add_up(loaded):
+    """CachedIndex.token_scores (the app's "where they predicted this token" reading) on the app's coupled index
+    against the same reading recomputed from the model with the block-diagonal query of an index loaded in the block
+    mode: every prototype's share is its own positions' -a (h_i . W[token]), the shares add up to the scores, and
+    the planted window ranks first."""
+    model, con = loaded["model"], loaded["con"]
+    coupled = cache.load_index(con, model.lm_head.weight)
+    block = cache.load_index(con, model.lm_head.weight, mode="block")
+    sid, queries = _planted_queries(loaded)
+    W = model.lm_head.weight.float()
+    for q in queries[:3]:
+        ids, rows = query_gradient(model, q.prefix(), q.position, q.token)
+        read, x = block.preconditioned_query(ids, rows)
+        assert sorted(read.tolist()) == sorted(ids.tolist())  # the block reading stays on the active prototypes
+        h = {int(p): x[j] @ block.whitening.output_vectors.T for j, p in enumerate(read.tolist())}
+        expected = {p: np.zeros(len(loaded["sequences"])) for p in h}
+        for s, seq in enumerate(loaded["sequences"]):
+            t = torch.from_numpy(seq[None])
+            z, _ = model.final_states(t)
+            stats = token_statistics(model, z, next_token_targets(t))
+            for pos in (stats.target == q.token).nonzero().flatten().tolist():
+                for slot, p in enumerate(stats.prototype_ids[pos].tolist()):
+                    a = float(stats.activations[pos, slot])
+                    if a > 0 and p in h:
+                        expected[p][s] -= a * float(h[p] @ W[q.token])
+        total, parts = coupled.token_scores(ids, rows, q.token)
+        assert set(parts) == set(h)
+        scale = max(1.0, max(float(np.abs(e).max()) for e in expected.values()))
+        for p, e in expected.items():
+            np.testing.assert_allclose(parts[p], e, rtol=1e-3, atol=1e-5 * scale)
+        np.testing.assert_allclose(total, np.sum(list(parts.values()), axis=0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(total, block.same_token_scores(ids, rows, q.token), rtol=1e-6, atol=1e-9)
+        assert int(np.argmax(total)) == sid
+    with pytest.raises(ValueError, match="token must be in"):
+        coupled.token_scores(ids, rows, model.vocab_size)
+    with pytest.raises(ValueError, match="coupled mode needs"):
+        block.token_scores(ids, rows, q.token, mode="coupled")
+
+
 def _planted_queries(loaded) -> tuple[int, list[Query]]:
     """Queries that contain the planted document's first window, exactly or with one early token changed.
 

@@ -395,9 +395,11 @@ class SequenceCatalog:
 
 def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: list[int], scores: np.ndarray,
                      parts: dict[int, np.ndarray], context_chars: int = 240,
-                     store: ExactStore | None = None, catalog: SequenceCatalog | None = None) -> list[dict]:
+                     store: ExactStore | None = None, catalog: SequenceCatalog | None = None,
+                     token: int | None = None) -> list[dict]:
     """The top training sequences as the app shows them: score, document, spans, the prototypes that carry the
-    score, and the text around the tokens where those prototypes are active, highlighted by their share. Where
+    score, and the text around the tokens where those prototypes are active, highlighted by their share (with
+    `token`: only the positions that predicted that token, the ones the same-token reading scores). Where
     they were active comes from the exact store's entries when it has them (a slice per sequence), else from the
     database (one query over the sequences' rows); their documents and spans from `catalog` when given (no query
     for a pointer-only database), else from the database."""
@@ -424,6 +426,9 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
         carried = np.flatnonzero(share_of[:, rank])
         carried = carried[np.lexsort((proto_ids[carried], -share_of[carried, rank]))]  # largest share first
         prototype, positions, acts, target_ids = active[int(sid)]
+        if token is not None:  # the positions that predicted the token, and only those
+            keep = target_ids == int(token)
+            prototype, positions, acts, target_ids = prototype[keep], positions[keep], acts[keep], target_ids[keep]
         gain = acts * np.maximum(share_of[row_of[prototype], rank], 0.0)  # every entry's prototype is held
         at, where = np.unique(positions, return_inverse=True)
         # token position in the sequence -> highlight weight, and -> the token that follows it (as recorded)
