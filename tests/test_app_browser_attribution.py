@@ -145,6 +145,8 @@ def test_click_a_token_and_see_its_training_data(app, browser):
     assert 1 <= cards.count() <= 10  # by default only sequences that predicted this token count
     assert "score" in cards.first.inner_text() and "doc-" in cards.first.inner_text()
     assert page.locator("#attribution span[style*='outline']").count() >= 1  # the strongest token is marked
+    page.locator("#attribution").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "app-attribution-token.png"), full_page=True)
     page.get_by_label("their whole loss").check()  # the other reading: the same token, the sequences' whole loss
     page.wait_for_function("document.querySelector('#attribution').innerText.includes('whole loss gradient')")
     assert cards.count() == 10
