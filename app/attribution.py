@@ -39,19 +39,18 @@ EMPTY = "Click a generated token to see the training sequences behind it."
 # Two readings of the same cache: "token" (the default) keeps, of each training sequence, the positions that
 # predicted this very token through the token's active prototypes (CachedIndex.token_scores, block-diagonal);
 # "sequence" is the sequence's whole loss through them and the prototypes co-used with them (CachedIndex.scores
-# with the exact second stage). The radio's choices, value first.
+# with the exact second stage). READINGS: value -> the radio's label.
 READINGS = {"token": "where they predicted this token", "sequence": "their whole loss"}
 READING_CHOICES = [(label, value) for value, label in READINGS.items()]
 # What the measured recall means, in one line under the panel's head (bench.attribution_truth, RESULTS.md).
 MEASURED = {
     "token": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
-              "planted sequence was in this top 10 for 91% of them (85% of the facts a longer-trained model had "
-              "learned) and in a plain word search's (BM25) for 100%: a fact's rare name is a word search's best "
-              "case."),
+              "planted sequence was in this top 10 for 91% of them (85% of those a longer-trained model had "
+              "learned); a plain word search (BM25) found 100%, and so did EK-FAC influence, about 90x slower."),
     "sequence": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
-                 "planted sequence was in this top 10 for 72% of them (66% of the facts a longer-trained model had "
-                 "learned) and in a plain word search's (BM25) for 100%; reading where they predicted this token "
-                 "finds more (91%)."),
+                 "planted sequence was in this top 10 for 72% of them (66% of those a longer-trained model had "
+                 "learned); reading where they predicted this token finds 91%, a word search (BM25) and EK-FAC "
+                 "influence 100%."),
 }
 
 CacheDatabase = Database | training_data.ReadOnly  # the served database, or the first-start build's
