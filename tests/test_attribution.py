@@ -231,21 +231,11 @@ def test_same_token_scores_keep_only_the_tokens_that_predicted_the_queried_token
     model, con = loaded["model"], loaded["con"]
     index = cache.load_index(con, model.lm_head.weight)
     sid, queries = _planted_queries(loaded)
-    W = model.lm_head.weight.float()
     for q in queries[:3]:
         ids, rows = query_gradient(model, q.prefix(), q.position, q.token)
         read, x = index.preconditioned_query(ids, rows)
         h = {int(p): x[j] @ index.whitening.output_vectors.T for j, p in enumerate(read.tolist())}
-        expected = np.zeros(len(loaded["sequences"]))
-        for s, seq in enumerate(loaded["sequences"]):
-            t = torch.from_numpy(seq[None])
-            z, _ = model.final_states(t)
-            stats = token_statistics(model, z, next_token_targets(t))
-            for pos in (stats.target == q.token).nonzero().flatten().tolist():
-                for slot, p in enumerate(stats.prototype_ids[pos].tolist()):
-                    a = float(stats.activations[pos, slot])
-                    if a > 0 and p in h:
-                        expected[s] -= a * float(h[p] @ W[q.token])
+        expected = np.sum(list(_same_token_by_hand(model, loaded["sequences"], h, q.token).values()), axis=0)
         got = index.same_token_scores(ids, rows, q.token)
         np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
         assert got[sid] > 0 and int(np.argmax(got)) == sid  # the planted window predicts this token; no other does
@@ -264,22 +254,12 @@ def test_token_scores_read_any_index_block_diagonally_with_shares_that_add_up(lo
     coupled = cache.load_index(con, model.lm_head.weight)
     block = cache.load_index(con, model.lm_head.weight, mode="block")
     sid, queries = _planted_queries(loaded)
-    W = model.lm_head.weight.float()
     for q in queries[:3]:
         ids, rows = query_gradient(model, q.prefix(), q.position, q.token)
         read, x = block.preconditioned_query(ids, rows)
         assert sorted(read.tolist()) == sorted(ids.tolist())  # the block reading stays on the active prototypes
         h = {int(p): x[j] @ block.whitening.output_vectors.T for j, p in enumerate(read.tolist())}
-        expected = {p: np.zeros(len(loaded["sequences"])) for p in h}
-        for s, seq in enumerate(loaded["sequences"]):
-            t = torch.from_numpy(seq[None])
-            z, _ = model.final_states(t)
-            stats = token_statistics(model, z, next_token_targets(t))
-            for pos in (stats.target == q.token).nonzero().flatten().tolist():
-                for slot, p in enumerate(stats.prototype_ids[pos].tolist()):
-                    a = float(stats.activations[pos, slot])
-                    if a > 0 and p in h:
-                        expected[p][s] -= a * float(h[p] @ W[q.token])
+        expected = _same_token_by_hand(model, loaded["sequences"], h, q.token)
         total, parts = coupled.token_scores(ids, rows, q.token)
         assert set(parts) == set(h)
         scale = max(1.0, max(float(np.abs(e).max()) for e in expected.values()))
@@ -292,6 +272,24 @@ def test_token_scores_read_any_index_block_diagonally_with_shares_that_add_up(lo
         coupled.token_scores(ids, rows, model.vocab_size)
     with pytest.raises(ValueError, match="coupled mode needs"):
         block.token_scores(ids, rows, q.token, mode="coupled")
+
+
+def _same_token_by_hand(model, sequences, h: dict, token: int) -> dict[int, np.ndarray]:
+    """Per prototype p in h (its preconditioned query row in model coordinates), over every training sequence:
+    -sum of a (h_p . W[token]) over the sequence's positions predicting `token` where p is active with activation a,
+    from the model's own token statistics."""
+    W = model.lm_head.weight.float()
+    out = {p: np.zeros(len(sequences)) for p in h}
+    for s, seq in enumerate(sequences):
+        t = torch.from_numpy(seq[None])
+        z, _ = model.final_states(t)
+        stats = token_statistics(model, z, next_token_targets(t))
+        for pos in (stats.target == token).nonzero().flatten().tolist():
+            for slot, p in enumerate(stats.prototype_ids[pos].tolist()):
+                a = float(stats.activations[pos, slot])
+                if a > 0 and p in h:
+                    out[p][s] -= a * float(h[p] @ W[token])
+    return out
 
 
 def _planted_queries(loaded) -> tuple[int, list[Query]]:
