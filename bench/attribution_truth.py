@@ -66,6 +66,7 @@ METHODS = ("cached", "cached_rerank", "cached_same_token", "cached_same_token_bl
 # run by this module, each in a child process of its own
 CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block")
 TOP = 10
+DEEP = 100  # the report's deep recall: what a second stage over the best DEEP candidates could at most find
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -628,6 +629,13 @@ def stage_report(ns, work: Path) -> dict:
         for metric in ("recall@1", f"recall@{TOP}", "mrr"):
             values = [apart[i][metric] for i in scored]
             row[f"siblings_apart_{metric}"] = round(statistics.fmean(values), 3) if values else None
+        # how deep the method would have to be read, and the copies it cannot rank at all: a sparse reading gives a
+        # sequence exactly 0 where none of the query's prototypes predicted the answer there, and no second stage
+        # over its best candidates brings those back
+        deep = [rank_metrics(scores[i], truth[i], top=DEEP)[f"recall@{DEEP}"] for i in scored]
+        row[f"all_recall@{DEEP}"] = round(statistics.fmean(deep), 3) if deep else None
+        row["copies"] = sum(len(truth[i]) for i in scored)
+        row["copies_scored_zero"] = int(sum(int((scores[i][truth[i]] == 0).sum()) for i in scored))
         table[method] = row
     out = {"facts": len(truth), "facts_with_intact_copy": len(scored),
            "facts_with_a_sibling": sum(bool(siblings[i]) for i in scored),
@@ -656,14 +664,16 @@ def markdown_table(out: dict) -> str:
              f"{out['learned_prism']} of them learned by PRISM: {out['learned_by']}); {out['sequences']} training "
              "sequences.", "",
              "| method | query ms | peak RSS MB | learned R@1 | learned R@10 | learned MRR | all R@1 | all R@10 | "
-             "all MRR | all R@10, siblings apart |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"all MRR | all R@10, siblings apart | all R@{DEEP} | copies scored 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, r in out["methods"].items():
         cells = [method, r["query_ms"], r["peak_rss_mb"]]
         for subset in ("learned", "all"):
             for metric in ("recall@1", f"recall@{TOP}", "mrr"):
                 v, ci = r[f"{subset}_{metric}"], r[f"{subset}_{metric}_ci95"]
                 cells.append("-" if v is None else f"{v:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]")
-        cells.append(r[f"siblings_apart_recall@{TOP}"])
+        cells += [r[f"siblings_apart_recall@{TOP}"], r[f"all_recall@{DEEP}"],
+                  f"{r['copies_scored_zero']} of {r['copies']}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -159,6 +159,10 @@ def test_small_run_measures_every_method_against_the_planted_truth(small_run):
         assert 0 <= row["all_mrr"] <= 1 and row["query_ms"] > 0, method
         scores = np.load(work / "scores" / f"{method}.npy")
         assert scores.shape == (12, len(rows))
+        # the copies a method cannot rank at all, counted here from the saved scores; reading deeper never loses
+        assert row["copies"] == sum(len(t) for t in truth)
+        assert row["copies_scored_zero"] == sum(int((scores[i][t] == 0).sum()) for i, t in enumerate(truth))
+        assert row["all_recall@10"] <= row["all_recall@100"] <= 1, method
     learned = json.loads((work / "learned.json").read_text())
     assert set(learned["summary"]) == {"prism", "prism-planted", "prism-base"}
     # one fact's log-probability and pool rank, recomputed here from the saved model
