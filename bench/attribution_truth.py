@@ -62,9 +62,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("corpus", "train", "learned", "attribute", "report")
 RUNS = ("prism-planted", "prism-base", "dense-planted", "dense-base")
 METHODS = ("cached", "cached_rerank", "cached_same_token", "cached_same_token_block", "reference", "ekfac", "bm25",
-           "embedding")
+           "embedding", "grad_cache", "grad_cache_raw")
 # run by this module, each in a child process of its own
-CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block")
+CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block", "grad_cache", "grad_cache_raw")
 TOP = 10
 DEEP = 100  # the report's deep recall: what a second stage over the best DEEP candidates could at most find
 
@@ -526,8 +526,66 @@ def same_token_scores(work: Path, mode: str = "coupled") -> tuple[np.ndarray, fl
     return np.stack(out).astype(np.float32), (time.perf_counter() - t0) / len(out)
 
 
+def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, dict]:
+    """The projected gradient cache (prism/grad_cache.py) over the planted model's trainable layers: one forward and
+    backward of the trainable layers per training sequence (from the frozen layers' states, as EK-FAC), kept as
+    WORK/levels/grad_cache-rRANK-sSEED.pt so the other preconditioner reuses them; then per fact the query's own pass
+    (frozen layers, trainable layers forward and backward) and one product. Returns the scores and the record."""
+    import torch
+
+    from bench.attribution import _inputs, ensure_states
+    from prism.grad_cache import GradientCache, batches
+    from prism.losses import IGNORE_INDEX
+
+    levels = work / "levels"
+    folder = work / "prism-planted" / "final"
+    ensure_states(argparse.Namespace(model=str(folder), batch_size=ns.batch_size), levels)
+    meta, train, queries, states = _inputs(levels)
+    model, _ = _load(folder)
+    cache = GradientCache(model, meta["start_layer"], rank=ns.grad_rank, seed=ns.seed)
+    saved = levels / f"grad_cache-r{ns.grad_rank}-s{ns.seed}.pt"
+    if saved.is_file():
+        kept = torch.load(saved, weights_only=True)
+        grads, stats, build_s = kept["grads"], {k: kept[k] for k in ("a", "s", "positions")}, kept["build_s"]
+    else:
+        stats, parts, t0 = {}, [], time.perf_counter()
+        from tqdm.auto import tqdm
+
+        for idx in tqdm(list(batches(len(train), ns.batch_size)), desc="gradient cache", unit="batch",
+                        mininterval=5, disable=None):
+            length = max(len(train[i]) for i in idx)
+            ids = torch.zeros(len(idx), length, dtype=torch.long)
+            mask = torch.zeros(len(idx), length, dtype=torch.long)
+            for b, i in enumerate(idx):
+                ids[b, : len(train[i])] = torch.from_numpy(train[i].astype(np.int64))
+                mask[b, : len(train[i])] = 1
+            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+            parts.append(cache.gradients(ids, states.batch(torch.tensor(list(idx)), length), mask, labels, stats))
+        grads, build_s = torch.cat(parts), time.perf_counter() - t0
+        torch.save({"grads": grads, **stats, "build_s": build_s}, saved)
+    t0 = time.perf_counter()
+    cache.fit(grads, stats, precondition=precondition)
+    fit_s = time.perf_counter() - t0
+    out, t0 = [], time.perf_counter()
+    for q in queries:
+        ids = torch.tensor([list(q.input_ids[: q.position + 1])])
+        q_states = model.states_before_layer(ids, meta["start_layer"])
+        out.append(cache.scores(cache.query_gradient(ids, q_states, q.position, q.token)).numpy())
+    per_query = (time.perf_counter() - t0) / len(queries)
+    return np.stack(out).astype(np.float32), {
+        "query_ms": round(1e3 * per_query, 3), "rank": ns.grad_rank, "precondition": precondition,
+        "dims": cache.dim, "modules": len(cache.modules), "index_mb": round(cache.nbytes / 1e6, 1),
+        "gradients_s": round(build_s, 1), "fit_s": round(fit_s, 2)}
+
+
 def run_text_method(ns, work: Path, method: str) -> dict:
-    """bm25, embedding or cached_same_token, in this process (called in a child of its own by stage_attribute)."""
+    """bm25, embedding, cached_same_token or grad_cache, in this process (called in a child of its own by
+    stage_attribute)."""
+    if method.startswith("grad_cache"):
+        scores, out = grad_cache_scores(ns, work, "identity" if method.endswith("_raw") else "ekfac")
+        np.save(work / "scores" / f"{method}.npy", scores)
+        (work / "scores" / f"{method}.json").write_text(json.dumps(out))
+        return out
     if method.startswith("cached_same_token"):
         scores, per_query = same_token_scores(work, "block" if method.endswith("_block") else "coupled")
         np.save(work / "scores" / f"{method}.npy", scores)
@@ -558,7 +616,8 @@ def stage_attribute(ns, work: Path) -> dict:
         prepare_levels(ns, work)
         _record(work, "attribute", settings, out)
     for method in ns.methods.split(","):
-        if method in out and (work / "scores" / f"{method}.npy").is_file():
+        if method in out and (work / "scores" / f"{method}.npy").is_file() and \
+                out[method].get("rank", ns.grad_rank) == ns.grad_rank:  # grad_cache's own setting
             continue
         logger.info("attribution method %s", method)
         if method in CHILD_METHODS:
@@ -722,6 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "as one epoch's forward and backward)")
     measure.add_argument("--ekfac-fit-sequences", type=int, default=300,
                          help="training sequences EK-FAC's factors are fitted on (0: all)")
+    measure.add_argument("--grad-rank", type=int, default=16,
+                         help="grad_cache's projection: r x r numbers per trainable linear layer and sequence")
     measure.add_argument("--embedder", default="default",
                          help="sentence-transformers model for the embedding method (default: the app's, offline)")
     parser.add_argument("--method", choices=CHILD_METHODS, default=None, help=argparse.SUPPRESS)

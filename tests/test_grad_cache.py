@@ -1,0 +1,120 @@
+"""The projected gradient cache (prism/grad_cache.py) against autograd on the weights and an explicit inverse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_ids, tiny_prism
+
+from prism.grad_cache import GradientCache, tracked_linears
+from prism.losses import IGNORE_INDEX
+
+START = 1  # the tiny backbone has 3 layers: layers 1 and 2 are the "trainable" top
+
+
+def _batch(seed: int = 0, batch: int = 3, length: int = 10):
+    model = tiny_prism(seed=seed)
+    ids = random_ids(batch, length, seed=seed)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, 7:] = 0  # one padded sequence
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    states = model.states_before_layer(ids, START, attention_mask=mask)
+    return model, ids, mask, labels, states
+
+
+def _weight_gradient(model, ids, mask, labels, states, b: int) -> list[torch.Tensor]:
+    """Sequence b's loss gradient for every tracked weight, by autograd on the weights themselves."""
+    mods = [m for _, m in tracked_linears(model, START)]
+    for m in mods:
+        m.weight.requires_grad_(True)
+        m.weight.grad = None
+    z, _ = model.final_states(ids[b: b + 1], attention_mask=mask[b: b + 1], start_layer=START,
+                              start_states=states[b: b + 1])
+    logits = model.lm_head(z)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[b, 1:], ignore_index=IGNORE_INDEX,
+                                             reduction="sum")
+    grads = torch.autograd.grad(loss, [m.weight for m in mods])
+    for m in mods:
+        m.weight.requires_grad_(False)
+    return list(grads)
+
+
+def test_projected_gradients_equal_the_projection_of_autograds_weight_gradient():
+    model, ids, mask, labels, states = _batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cache = GradientCache(model, START, rank=5, seed=3)
+    got = cache.gradients(ids, states, mask, labels)  # the whole batch at once, one padded
+    assert got.shape == (3, cache.dim) and cache.dim == 25 * len(cache.modules)
+    for b in range(3):
+        full = _weight_gradient(model, ids, mask, labels, states, b)
+        want = torch.cat([(cache.p_out[i] @ g @ cache.p_in[i].T).reshape(-1) for i, g in enumerate(full)])
+        torch.testing.assert_close(got[b], want, rtol=1e-4, atol=1e-5)
+    # the weights are unchanged and get no .grad from the cache
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(m.weight.grad is None for _, m in tracked_linears(model, START))
+    # llama's 7 linear layers per decoder layer, 2 layers
+    assert len(cache.modules) == 14
+
+
+def test_query_gradient_is_the_gradient_of_that_tokens_loss_alone():
+    model, ids, _, _, states = _batch(seed=1, batch=1, length=8)
+    cache = GradientCache(model, START, rank=4)
+    got = cache.query_gradient(ids, states, position=4, token=int(ids[0, 6]))
+    labels = torch.full((1, 6), IGNORE_INDEX)
+    labels[0, 5] = ids[0, 6]
+    q_ids = torch.cat([ids[:, :5], ids[:, 6:7]], 1)
+    q_states = model.states_before_layer(q_ids, START)
+    full = _weight_gradient(model, q_ids, torch.ones_like(q_ids), labels, q_states, 0)
+    want = torch.cat([(cache.p_out[i] @ g @ cache.p_in[i].T).reshape(-1) for i, g in enumerate(full)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="position"):
+        cache.query_gradient(ids, states, position=8, token=1)
+
+
+def test_ekfac_preconditioner_equals_an_explicit_damped_inverse_in_the_kronecker_eigenbasis():
+    model, ids, mask, labels, states = _batch(seed=2, batch=4, length=9)
+    cache = GradientCache(model, START, rank=3, seed=1)
+    stats: dict = {}
+    grads = torch.cat([cache.gradients(ids[i: i + 2], states[i: i + 2], mask[i: i + 2], labels[i: i + 2], stats)
+                       for i in (0, 2)])
+    cache.fit(grads, stats, precondition="ekfac", damping_factor=0.1)
+    query = torch.randn(cache.dim, generator=torch.Generator().manual_seed(0))
+    want = torch.zeros(len(grads), dtype=torch.float64)
+    xs, ds = cache._run(ids, states, mask, labels)  # the per-position statistics again, by hand
+    for i in range(len(cache.modules)):
+        sl = slice(i * cache.block, (i + 1) * cache.block)
+        x, d = xs[i].reshape(-1, 3).double(), ds[i].reshape(-1, 3).double()
+        n = float(mask.sum())
+        a, s = x.T @ (x * mask.reshape(-1, 1)) / n, d.T @ d / n
+        _, q_a = torch.linalg.eigh(a)
+        _, q_s = torch.linalg.eigh(s)
+        basis = torch.kron(q_s, q_a)  # row-major vec(Q_S^T G Q_A) = basis^T vec(G)
+        g = grads[:, sl].double()
+        fisher = g.T @ g / len(g)
+        eigen = torch.diagonal(basis.T @ fisher @ basis)
+        lam = 0.1 * eigen.mean()
+        h = basis @ torch.diag(eigen) @ basis.T + lam * torch.eye(cache.block, dtype=torch.float64)
+        want += torch.linalg.solve(h, g.T).T @ query[sl].double()
+    torch.testing.assert_close(cache.scores(query).double(), want, rtol=2e-3, atol=1e-6)
+
+
+def test_identity_scores_are_plain_dot_products_and_bad_input_is_refused():
+    model, ids, mask, labels, states = _batch(seed=3)
+    cache = GradientCache(model, START, rank=2)
+    grads = cache.gradients(ids, states, mask, labels)
+    with pytest.raises(RuntimeError, match="fit"):
+        cache.scores(grads[0])
+    with pytest.raises(ValueError, match="statistics"):
+        cache.fit(grads, None, precondition="ekfac")
+    with pytest.raises(ValueError, match="precondition"):
+        cache.fit(grads, None, precondition="newton")
+    with pytest.raises(ValueError, match=r"\(N, "):
+        cache.fit(grads[:, :5], None, precondition="identity")
+    cache.fit(grads, None, precondition="identity")
+    torch.testing.assert_close(cache.scores(grads[0]), grads @ grads[0])
+    with pytest.raises(ValueError, match="rank"):
+        GradientCache(model, START, rank=0)
+    with pytest.raises(ValueError, match="start_layer"):
+        GradientCache(model, 7)
