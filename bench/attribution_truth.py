@@ -22,8 +22,10 @@ attribute  the methods, side by side in one run over the planted model's trainin
            BM25 (rank_bm25 over the sequences' text; query = prompt + answer) and sentence-embedding neighbours
            (all-MiniLM-L6-v2, cosine); and cached_same_token, the cache read for the training tokens that
            predicted the answer token itself (CachedIndex.same_token_scores), with the coupled curvature and
-           with the block-diagonal one (the query's own active prototypes only: cached_same_token_block). Each
-           method's per-query latency and its process's peak RSS.
+           with the block-diagonal one (the query's own active prototypes only: cached_same_token_block); and
+           grad_cache, a projected gradient cache of the trainable layers (prism/grad_cache.py: --grad-rank,
+           optionally K-FAC-whitened projections (--grad-whiten), EK-FAC in the projected space;
+           grad_cache_raw: the plain dot product). Each method's per-query latency and its process's peak RSS.
 report     recall@1, recall@10 (the share of a fact's planted sequences in the top 1 / 10) and MRR (first planted
            sequence), over learned facts and over all, with a 95% bootstrap interval; and over all facts with the
            "siblings" left out of the ranking (the copies of other facts with the same relation and answer, which
@@ -527,11 +529,14 @@ def same_token_scores(work: Path, mode: str = "coupled") -> tuple[np.ndarray, fl
 
 
 def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, dict]:
-    """The projected gradient cache (prism/grad_cache.py) over the planted model's trainable layers: one forward and
-    backward of the trainable layers per training sequence (from the frozen layers' states, as EK-FAC), kept as
-    WORK/levels/grad_cache-rRANK-sSEED.pt so the other preconditioner reuses them; then per fact the query's own pass
-    (frozen layers, trainable layers forward and backward) and one product. Returns the scores and the record."""
+    """The projected gradient cache (prism/grad_cache.py) over the planted model's trainable layers: with
+    --grad-whiten N, K-FAC's factors from one pass over the first N training sequences and whitened projections;
+    then one forward and backward of the trainable layers per training sequence (from the frozen layers' states, as
+    EK-FAC), kept as WORK/levels/grad_cache-rRANK-wN-sSEED.pt so the other preconditioner reuses them; then per fact
+    the query's own pass (frozen layers, trainable layers forward and backward) and one product. Returns the scores
+    and the record."""
     import torch
+    from tqdm.auto import tqdm
 
     from bench.attribution import _inputs, ensure_states
     from prism.grad_cache import GradientCache, batches
@@ -542,27 +547,39 @@ def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, di
     ensure_states(argparse.Namespace(model=str(folder), batch_size=ns.batch_size), levels)
     meta, train, queries, states = _inputs(levels)
     model, _ = _load(folder)
+
+    def batch(idx: range) -> tuple:
+        length = max(len(train[i]) for i in idx)
+        ids = torch.zeros(len(idx), length, dtype=torch.long)
+        mask = torch.zeros(len(idx), length, dtype=torch.long)
+        for b, i in enumerate(idx):
+            ids[b, : len(train[i])] = torch.from_numpy(train[i].astype(np.int64))
+            mask[b, : len(train[i])] = 1
+        return ids, states.batch(torch.tensor(list(idx)), length), mask, ids.masked_fill(mask == 0, IGNORE_INDEX)
+
     cache = GradientCache(model, meta["start_layer"], rank=ns.grad_rank, seed=ns.seed)
-    saved = levels / f"grad_cache-r{ns.grad_rank}-s{ns.seed}.pt"
+    saved = levels / f"grad_cache-r{ns.grad_rank}-w{ns.grad_whiten}-s{ns.seed}.pt"
     if saved.is_file():
         kept = torch.load(saved, weights_only=True)
-        grads, stats, build_s = kept["grads"], {k: kept[k] for k in ("a", "s", "positions")}, kept["build_s"]
+        cache.p_in, cache.p_out = kept["p_in"], kept["p_out"]
+        grads, stats = kept["grads"], {k: kept[k] for k in ("a", "s", "positions")}
+        build_s, whiten_s = kept["build_s"], kept["whiten_s"]
     else:
-        stats, parts, t0 = {}, [], time.perf_counter()
-        from tqdm.auto import tqdm
-
+        t0 = time.perf_counter()
+        if ns.grad_whiten:  # K-FAC's factors on the first sequences, unprojected, then whitened projections
+            cov: dict = {}
+            for idx in tqdm(list(batches(min(ns.grad_whiten, len(train)), ns.batch_size)), desc="gradient cache: "
+                            "covariances", unit="batch", mininterval=5, disable=None):
+                cache.covariances(*batch(idx), cov)
+            cache.whiten(cov)
+        whiten_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        stats, parts = {}, []
         for idx in tqdm(list(batches(len(train), ns.batch_size)), desc="gradient cache", unit="batch",
                         mininterval=5, disable=None):
-            length = max(len(train[i]) for i in idx)
-            ids = torch.zeros(len(idx), length, dtype=torch.long)
-            mask = torch.zeros(len(idx), length, dtype=torch.long)
-            for b, i in enumerate(idx):
-                ids[b, : len(train[i])] = torch.from_numpy(train[i].astype(np.int64))
-                mask[b, : len(train[i])] = 1
-            labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-            parts.append(cache.gradients(ids, states.batch(torch.tensor(list(idx)), length), mask, labels, stats))
+            parts.append(cache.gradients(*batch(idx), stats))
         grads, build_s = torch.cat(parts), time.perf_counter() - t0
-        torch.save({"grads": grads, **stats, "build_s": build_s}, saved)
+        torch.save({"grads": grads, **stats, "build_s": build_s, "whiten_s": whiten_s, "p_in": cache.p_in,
+                    "p_out": cache.p_out}, saved)
     t0 = time.perf_counter()
     cache.fit(grads, stats, precondition=precondition)
     fit_s = time.perf_counter() - t0
@@ -573,7 +590,8 @@ def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, di
         out.append(cache.scores(cache.query_gradient(ids, q_states, q.position, q.token)).numpy())
     per_query = (time.perf_counter() - t0) / len(queries)
     return np.stack(out).astype(np.float32), {
-        "query_ms": round(1e3 * per_query, 3), "rank": ns.grad_rank, "precondition": precondition,
+        "query_ms": round(1e3 * per_query, 3), "rank": ns.grad_rank, "whiten": ns.grad_whiten,
+        "whiten_s": round(whiten_s, 1), "precondition": precondition,
         "dims": cache.dim, "modules": len(cache.modules), "index_mb": round(cache.nbytes / 1e6, 1),
         "gradients_s": round(build_s, 1), "fit_s": round(fit_s, 2)}
 
@@ -617,7 +635,8 @@ def stage_attribute(ns, work: Path) -> dict:
         _record(work, "attribute", settings, out)
     for method in ns.methods.split(","):
         if method in out and (work / "scores" / f"{method}.npy").is_file() and \
-                out[method].get("rank", ns.grad_rank) == ns.grad_rank:  # grad_cache's own setting
+                out[method].get("rank", ns.grad_rank) == ns.grad_rank and \
+                out[method].get("whiten", ns.grad_whiten) == ns.grad_whiten:  # grad_cache's own settings
             continue
         logger.info("attribution method %s", method)
         if method in CHILD_METHODS:
@@ -783,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="training sequences EK-FAC's factors are fitted on (0: all)")
     measure.add_argument("--grad-rank", type=int, default=16,
                          help="grad_cache's projection: r x r numbers per trainable linear layer and sequence")
+    measure.add_argument("--grad-whiten", type=int, default=0,
+                         help="grad_cache: fit K-FAC's factors on this many training sequences and project whitened "
+                              "gradients (0: project them as they are)")
     measure.add_argument("--embedder", default="default",
                          help="sentence-transformers model for the embedding method (default: the app's, offline)")
     parser.add_argument("--method", choices=CHILD_METHODS, default=None, help=argparse.SUPPRESS)

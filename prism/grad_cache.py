@@ -8,6 +8,13 @@ and P_out (r x d_out): two projected vectors per position, one small outer produ
 factorisation), never the d_out x d_in gradient itself. For SmolLM2-135M's top 2 layers (14 linear layers) and
 r = 16 that is 3,584 numbers a sequence instead of 7.1M.
 
+Whitening before projecting (whiten(), optional): a random projection keeps plain inner products g^T g', but
+attribution needs the preconditioned one, g^T H^-1 g', and the directions that tell one sequence from another are
+the low-variance ones a plain projection drowns. With K-FAC's factors (the second moments of a layer's inputs, A,
+and of its output gradients, S, over the positions of some training sequences), the projections become
+P_in (A + a)^-1/2 and P_out (S + s)^-1/2, so a plain dot product of projected gradients estimates K-FAC's
+g^T ((A + a)^-1 (x) (S + s)^-1) g'.
+
 Preconditioning, in the projected space, per linear layer (blocks, as kronfluence's EK-FAC):
   ekfac     the Kronecker factors of the projected inputs and output gradients over every position,
             A = E[x~ x~^T], S = E[d~ d~^T]; their eigenvectors Q_A, Q_S; the eigenvalues corrected to the
@@ -20,6 +27,7 @@ that lowers the query's loss (helpful), as prism/attribution.py and kronfluence 
 that of its token's cross-entropy at its position.
 
     cache = GradientCache(model, start_layer, rank=16)
+    cache.covariances(**batch, stats=cov); cache.whiten(cov)   # optional: K-FAC-whitened projections
     for batch in batches:                                 # input_ids, start_states, attention_mask, labels
         grads.append(cache.gradients(**batch))            # (B, D) projected per-sequence gradients
     cache.fit(torch.cat(grads), positions_stats)          # or fit_from(...) as GradientCache.build does it
@@ -82,24 +90,29 @@ class GradientCache:
         self.block = rank * rank
         self.dim = self.block * len(self.modules)
         self.q_a = self.q_s = self.eigen = self.damping = None
+        self.whitened = False
         self.precondition = None
         self.preconditioned: torch.Tensor | None = None  # (N, D), H^-1 g_n of the fitted training sequences
 
     # -- gradients ------------------------------------------------------------------------------------------------
 
-    def _run(self, input_ids, start_states, attention_mask, labels, keep_positions: bool = False):
-        """Forward and backward of the summed loss; per module the projected inputs and output gradients
-        (B, T, r) each."""
+    def _run(self, input_ids, start_states, attention_mask, labels, project: bool = True):
+        """Forward and backward of the summed loss; per module the inputs and output gradients, projected
+        (B, T, r) each, or as they are (project=False)."""
         xs: list[torch.Tensor | None] = [None] * len(self.modules)
         ds: list[torch.Tensor | None] = [None] * len(self.modules)
         handles = []
 
         def hook(i):
             def forward(module, args, output):
-                xs[i] = args[0].detach().float() @ self.p_in[i].T
+                xs[i] = args[0].detach().float()
+                if project:
+                    xs[i] = xs[i] @ self.p_in[i].T
 
                 def backward(grad):
-                    ds[i] = grad.detach().float() @ self.p_out[i].T
+                    ds[i] = grad.detach().float()
+                    if project:
+                        ds[i] = ds[i] @ self.p_out[i].T
                 output.register_hook(backward)
             return forward
 
@@ -119,6 +132,35 @@ class GradientCache:
             keep = attention_mask.unsqueeze(-1).float()
             xs = [x * keep for x in xs]
         return xs, ds
+
+    def covariances(self, input_ids: torch.Tensor, start_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                    labels: torch.Tensor, stats: dict) -> None:
+        """Add one batch's per-position second moments of every module's inputs and output gradients, unprojected
+        (d_in x d_in and d_out x d_out, K-FAC's factors A and S), to stats, for whiten()."""
+        xs, ds = self._run(input_ids, start_states, attention_mask, labels, project=False)
+        for key, values in (("cov_in", xs), ("cov_out", ds)):
+            into = stats.setdefault(key, [None] * len(self.modules))
+            for i, v in enumerate(values):
+                v = v.reshape(-1, v.shape[-1])
+                moment = (v.T @ v).double()  # float32 product, float64 sums across batches
+                into[i] = moment if into[i] is None else into[i] + moment
+        stats["cov_positions"] = stats.get("cov_positions", 0) + int(
+            attention_mask.sum() if attention_mask is not None else input_ids.numel())
+
+    def whiten(self, stats: dict, damping_factor: float = 0.1) -> None:
+        """Project K-FAC-whitened gradients from now on: P_in <- P_in (A + a)^-1/2, P_out <- P_out (S + s)^-1/2,
+        with A, S the factors covariances() collected and a, s = damping_factor x their mean eigenvalue. The plain
+        dot product of two such projected gradients then estimates g^T (A + a)^-1 (x) (S + s)^-1 g' (K-FAC's
+        influence) instead of g^T g': whitening before the random projection, because a projection keeps inner
+        products, and the preconditioned inner product is the one attribution needs. Call before gradients()."""
+        n = stats["cov_positions"]
+        for i in range(len(self.modules)):
+            for key, proj in (("cov_in", self.p_in), ("cov_out", self.p_out)):
+                values, vectors = torch.linalg.eigh(stats[key][i] / n)
+                values = values.clamp_min(0)
+                inv_sqrt = (vectors * (values + damping_factor * values.mean()).rsqrt()) @ vectors.T
+                proj[i] = proj[i] @ inv_sqrt.float()
+        self.whitened = True
 
     def gradients(self, input_ids: torch.Tensor, start_states: torch.Tensor, attention_mask: torch.Tensor | None,
                   labels: torch.Tensor, stats: dict | None = None) -> torch.Tensor:

@@ -131,7 +131,8 @@ def small_run(tmp_path_factory, tokenizer):
     argv = ["--work", str(work), "--corpus", str(corpus), "--backbone", str(backbone), "--tokens", "6000",
             "--facts", "12", "--epochs", "1", "--n-prototypes", "32", "--top-k", "4", "--seq-len", "64",
             "--batch-size", "4", "--max-doc-chars", "2000", "--max-source-share", "1", "--rank", "16",
-            "--ekfac-query-batch", "12", "--runs", "prism-planted,prism-base"]  # the dense runs: the same code
+            "--ekfac-query-batch", "12", "--grad-whiten", "8",  # whitened projections: the longer path
+            "--runs", "prism-planted,prism-base"]  # the dense runs: the same code
     result = truth_main(argv)
     return work, argv, result
 

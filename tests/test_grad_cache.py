@@ -118,3 +118,51 @@ def test_identity_scores_are_plain_dot_products_and_bad_input_is_refused():
         GradientCache(model, START, rank=0)
     with pytest.raises(ValueError, match="start_layer"):
         GradientCache(model, 7)
+
+
+def test_whitened_projections_project_kfac_whitened_weight_gradients():
+    """After whiten(), the cache's gradient is P_out (S + s)^-1/2 G (A + a)^-1/2 P_in^T, with A and S the inputs' and
+    output gradients' second moments over every real position, computed here from hooks of our own."""
+    model, ids, mask, labels, states = _batch(seed=4)
+    cache = GradientCache(model, START, rank=4, seed=2)
+    p_in, p_out = [p.clone() for p in cache.p_in], [p.clone() for p in cache.p_out]
+    cov: dict = {}
+    cache.covariances(ids[:2], states[:2], mask[:2], labels[:2], cov)
+    cache.covariances(ids[2:], states[2:], mask[2:], labels[2:], cov)
+    cache.whiten(cov, damping_factor=0.5)
+    got = cache.gradients(ids, states, mask, labels)
+    # the factors by hand: inputs and output gradients of every tracked module, padded positions left out
+    mods = [m for _, m in tracked_linears(model, START)]
+    seen_in, seen_out, handles = {}, {}, []
+
+    def grab(i):
+        def forward(module, args, out):
+            seen_in[i] = args[0].detach()
+            out.register_hook(lambda g: seen_out.__setitem__(i, g.detach()))
+        return forward
+
+    for i, m in enumerate(mods):
+        handles.append(m.register_forward_hook(grab(i)))
+    x = states.clone().requires_grad_(True)
+    z, _ = model.final_states(ids, attention_mask=mask, start_layer=START, start_states=x)
+    logits = model.lm_head(z)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                      ignore_index=IGNORE_INDEX, reduction="sum").backward()
+    for h in handles:
+        h.remove()
+    real = mask.reshape(-1).bool()
+
+    def inv_sqrt(m: torch.Tensor) -> torch.Tensor:
+        values, vectors = torch.linalg.eigh(m.double())
+        values = values.clamp_min(0)
+        return (vectors @ torch.diag((values + 0.5 * values.mean()) ** -0.5) @ vectors.T).float()
+
+    for b in range(3):
+        full = _weight_gradient(model, ids, mask, labels, states, b)
+        want = []
+        for i, g in enumerate(full):
+            xi = seen_in[i].reshape(-1, seen_in[i].shape[-1])[real]
+            di = seen_out[i].reshape(-1, seen_out[i].shape[-1])[real]
+            a, s = xi.T @ xi / real.sum(), di.T @ di / real.sum()
+            want.append((p_out[i] @ inv_sqrt(s) @ g @ inv_sqrt(a) @ p_in[i].T).reshape(-1))
+        torch.testing.assert_close(got[b], torch.cat(want), rtol=2e-3, atol=1e-5)
