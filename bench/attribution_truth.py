@@ -25,7 +25,9 @@ attribute  the methods, side by side in one run over the planted model's trainin
            with the block-diagonal one (the query's own active prototypes only: cached_same_token_block); and
            grad_cache, a projected gradient cache of the trainable layers (prism/grad_cache.py: --grad-rank,
            optionally K-FAC-whitened projections (--grad-whiten), EK-FAC in the projected space;
-           grad_cache_raw: the plain dot product). Each method's per-query latency and its process's peak RSS.
+           grad_cache_raw: the plain dot product; grad_cache_same_token: read at the positions that predicted the
+           answer token, prism.grad_cache.TokenGradientIndex). Each method's per-query latency and its process's
+           peak RSS.
 report     recall@1, recall@10 (the share of a fact's planted sequences in the top 1 / 10) and MRR (first planted
            sequence), over learned facts and over all, with a 95% bootstrap interval; and over all facts with the
            "siblings" left out of the ranking (the copies of other facts with the same relation and answer, which
@@ -64,9 +66,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("corpus", "train", "learned", "attribute", "report")
 RUNS = ("prism-planted", "prism-base", "dense-planted", "dense-base")
 METHODS = ("cached", "cached_rerank", "cached_same_token", "cached_same_token_block", "reference", "ekfac", "bm25",
-           "embedding", "grad_cache", "grad_cache_raw")
+           "embedding", "grad_cache", "grad_cache_raw", "grad_cache_same_token")
 # run by this module, each in a child process of its own
-CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block", "grad_cache", "grad_cache_raw")
+CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block", "grad_cache", "grad_cache_raw",
+                 "grad_cache_same_token")
 TOP = 10
 DEEP = 100  # the report's deep recall: what a second stage over the best DEEP candidates could at most find
 
@@ -528,18 +531,19 @@ def same_token_scores(work: Path, mode: str = "coupled") -> tuple[np.ndarray, fl
     return np.stack(out).astype(np.float32), (time.perf_counter() - t0) / len(out)
 
 
-def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, dict]:
+def grad_cache_scores(ns, work: Path, precondition: str, same_token: bool = False) -> tuple[np.ndarray, dict]:
     """The projected gradient cache (prism/grad_cache.py) over the planted model's trainable layers: with
     --grad-whiten N, K-FAC's factors from one pass over the first N training sequences and whitened projections;
     then one forward and backward of the trainable layers per training sequence (from the frozen layers' states, as
     EK-FAC), kept as WORK/levels/grad_cache-rRANK-wN-sSEED.pt so the other preconditioner reuses them; then per fact
-    the query's own pass (frozen layers, trainable layers forward and backward) and one product. Returns the scores
-    and the record."""
+    the query's own pass (frozen layers, trainable layers forward and backward) and one product. same_token: read
+    only the positions that predicted the query's token (prism.grad_cache.TokenGradientIndex, EK-FAC's
+    preconditioner from the whole gradients applied to the query). Returns the scores and the record."""
     import torch
     from tqdm.auto import tqdm
 
     from bench.attribution import _inputs, ensure_states
-    from prism.grad_cache import GradientCache, batches
+    from prism.grad_cache import GradientCache, PositionFactors, TokenGradientIndex, batches
     from prism.losses import IGNORE_INDEX
 
     levels = work / "levels"
@@ -564,6 +568,7 @@ def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, di
         cache.p_in, cache.p_out = kept["p_in"], kept["p_out"]
         grads, stats = kept["grads"], {k: kept[k] for k in ("a", "s", "positions")}
         build_s, whiten_s = kept["build_s"], kept["whiten_s"]
+        positions = PositionFactors(kept["pos_sequence"], kept["pos_token"], kept["pos_x"], kept["pos_d"])
     else:
         t0 = time.perf_counter()
         if ns.grad_whiten:  # K-FAC's factors on the first sequences, unprojected, then whitened projections
@@ -573,26 +578,35 @@ def grad_cache_scores(ns, work: Path, precondition: str) -> tuple[np.ndarray, di
                 cache.covariances(*batch(idx), cov)
             cache.whiten(cov)
         whiten_s, t0 = time.perf_counter() - t0, time.perf_counter()
-        stats, parts = {}, []
+        stats, parts, factors = {}, [], []
         for idx in tqdm(list(batches(len(train), ns.batch_size)), desc="gradient cache", unit="batch",
                         mininterval=5, disable=None):
-            parts.append(cache.gradients(*batch(idx), stats))
+            g, f = cache.gradients_and_positions(*batch(idx), stats)
+            f.sequence = f.sequence + idx.start
+            parts.append(g)
+            factors.append(PositionFactors(f.sequence, f.token, f.x.half(), f.d.half()))
         grads, build_s = torch.cat(parts), time.perf_counter() - t0
+        positions = PositionFactors(*(torch.cat([getattr(f, k) for f in factors])
+                                      for k in ("sequence", "token", "x", "d")))
         torch.save({"grads": grads, **stats, "build_s": build_s, "whiten_s": whiten_s, "p_in": cache.p_in,
-                    "p_out": cache.p_out}, saved)
+                    "p_out": cache.p_out, "pos_sequence": positions.sequence, "pos_token": positions.token,
+                    "pos_x": positions.x, "pos_d": positions.d}, saved)
     t0 = time.perf_counter()
     cache.fit(grads, stats, precondition=precondition)
+    index = TokenGradientIndex([positions], len(train)) if same_token else None
     fit_s = time.perf_counter() - t0
     out, t0 = [], time.perf_counter()
     for q in queries:
         ids = torch.tensor([list(q.input_ids[: q.position + 1])])
         q_states = model.states_before_layer(ids, meta["start_layer"])
-        out.append(cache.scores(cache.query_gradient(ids, q_states, q.position, q.token)).numpy())
+        g = cache.query_gradient(ids, q_states, q.position, q.token)
+        out.append((index.scores(cache.apply(g[None])[0], q.token) if same_token else cache.scores(g)).numpy())
     per_query = (time.perf_counter() - t0) / len(queries)
     return np.stack(out).astype(np.float32), {
         "query_ms": round(1e3 * per_query, 3), "rank": ns.grad_rank, "whiten": ns.grad_whiten,
         "whiten_s": round(whiten_s, 1), "precondition": precondition,
-        "dims": cache.dim, "modules": len(cache.modules), "index_mb": round(cache.nbytes / 1e6, 1),
+        "dims": cache.dim, "modules": len(cache.modules),
+        "index_mb": round((index.nbytes if same_token else cache.nbytes) / 1e6, 1),
         "gradients_s": round(build_s, 1), "fit_s": round(fit_s, 2)}
 
 
@@ -600,7 +614,8 @@ def run_text_method(ns, work: Path, method: str) -> dict:
     """bm25, embedding, cached_same_token or grad_cache, in this process (called in a child of its own by
     stage_attribute)."""
     if method.startswith("grad_cache"):
-        scores, out = grad_cache_scores(ns, work, "identity" if method.endswith("_raw") else "ekfac")
+        scores, out = grad_cache_scores(ns, work, "identity" if method.endswith("_raw") else "ekfac",
+                                        same_token=method.endswith("_same_token"))
         np.save(work / "scores" / f"{method}.npy", scores)
         (work / "scores" / f"{method}.json").write_text(json.dumps(out))
         return out

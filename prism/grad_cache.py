@@ -40,6 +40,7 @@ beside the prototype rows. Needs trainable layers made of nn.Linear (Llama, Qwen
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -168,6 +169,23 @@ class GradientCache:
         modules in order. Sequences are independent within a batch (each one's loss reaches only its own
         positions). With stats, adds the batch's per-position Kronecker statistics (ekfac's A and S) to it."""
         xs, ds = self._run(input_ids, start_states, attention_mask, labels)
+        return self._combine(xs, ds, stats, attention_mask, input_ids)
+
+    def gradients_and_positions(self, input_ids: torch.Tensor, start_states: torch.Tensor,
+                                attention_mask: torch.Tensor | None, labels: torch.Tensor,
+                                stats: dict | None = None) -> tuple[torch.Tensor, PositionFactors]:
+        """gradients() and, from the same pass, every position's own part of them: for each position t with a
+        target (labels[:, t + 1] set), the projected input and output gradient of every module there, so that
+        sum_t d~_t x~_t^T over a sequence's positions is its row of gradients() (TokenGradientIndex keeps them)."""
+        xs, ds = self._run(input_ids, start_states, attention_mask, labels)
+        grads = self._combine(xs, ds, stats, attention_mask, input_ids)
+        targets = torch.full_like(labels, IGNORE_INDEX)
+        targets[:, :-1] = labels[:, 1:]  # position t predicts token t + 1
+        b, t = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+        return grads, PositionFactors(sequence=b, token=targets[b, t],
+                                      x=torch.stack([x[b, t] for x in xs], 1), d=torch.stack([d[b, t] for d in ds], 1))
+
+    def _combine(self, xs, ds, stats, attention_mask, input_ids) -> torch.Tensor:
         out = []
         for i in range(len(self.modules)):
             out.append(torch.einsum("bto,bti->boi", ds[i], xs[i]).reshape(len(input_ids), -1))
@@ -249,6 +267,56 @@ class GradientCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.preconditioned is None else self.preconditioned.numel() * 4
+
+
+@dataclass
+class PositionFactors:
+    """Per position with a target: its sequence (as given), the token it predicts, and every module's projected
+    input x~ (n, M, r) and output gradient d~ (n, M, r)."""
+
+    sequence: torch.Tensor
+    token: torch.Tensor
+    x: torch.Tensor
+    d: torch.Tensor
+
+
+class TokenGradientIndex:
+    """The gradient cache read where the training sequences predicted a given token: a sequence's score for a query
+    about token y is sum over its positions t that predicted y of <H^-1 g_q, d~_t x~_t^T>, the part of its own
+    (projected) loss gradient that flows through the trained layers' activations at those positions. The same
+    question as prism.attribution's same-token reading of prototype space, asked in the layers' gradient space.
+
+    Keeps every training position's factors (float16, sorted by the token predicted): 2 r M numbers a position."""
+
+    def __init__(self, parts: list[PositionFactors], n_sequences: int) -> None:
+        token = torch.cat([p.token for p in parts])
+        order = torch.argsort(token, stable=True)
+        self.token = token[order]
+        self.sequence = torch.cat([p.sequence for p in parts])[order]
+        self.x = torch.cat([p.x for p in parts])[order].half()
+        self.d = torch.cat([p.d for p in parts])[order].half()
+        self.n_sequences = n_sequences
+        if len(self.sequence) and int(self.sequence.max()) >= n_sequences:
+            raise ValueError(f"a position's sequence {int(self.sequence.max())} is not below n_sequences {n_sequences}")
+
+    def scores(self, query: torch.Tensor, token: int) -> torch.Tensor:
+        """(n_sequences,) for a query's (preconditioned) projected gradient (D,) = M blocks of r x r; zero for the
+        sequences that never predicted the token."""
+        n_modules, rank = self.x.shape[1], self.x.shape[2]
+        if query.numel() != n_modules * rank * rank:
+            raise ValueError(f"query must hold {n_modules} x {rank} x {rank} numbers, got {query.numel()}")
+        lo = int(torch.searchsorted(self.token, int(token)))
+        hi = int(torch.searchsorted(self.token, int(token), right=True))
+        out = torch.zeros(self.n_sequences, dtype=torch.float32)
+        if hi > lo:
+            m = query.float().reshape(n_modules, rank, rank)
+            value = torch.einsum("nmo,moi,nmi->n", self.d[lo:hi].float(), m, self.x[lo:hi].float())
+            out.index_add_(0, self.sequence[lo:hi], value)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return (self.x.numel() + self.d.numel()) * 2 + (self.token.numel() + self.sequence.numel()) * 8
 
 
 def batches(n: int, size: int) -> Iterable[range]:

@@ -144,7 +144,8 @@ def test_small_run_measures_every_method_against_the_planted_truth(small_run):
     facts = [json.loads(line) for line in (work / "facts.jsonl").read_text().splitlines()]
     assert report["facts"] == len(facts) == 12
     assert set(report["methods"]) == {"cached", "cached_rerank", "cached_same_token", "cached_same_token_block",
-                                      "reference", "ekfac", "bm25", "embedding", "grad_cache", "grad_cache_raw"}
+                                      "reference", "ekfac", "bm25", "embedding", "grad_cache", "grad_cache_raw",
+                                      "grad_cache_same_token"}
     # the truth: every true sequence's text holds the statement (checked on the stored text, independently)
     from bench.attribution_truth import ground_truth, sequence_texts
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import random_ids, tiny_prism
 
-from prism.grad_cache import GradientCache, tracked_linears
+from prism.grad_cache import GradientCache, TokenGradientIndex, tracked_linears
 from prism.losses import IGNORE_INDEX
 
 START = 1  # the tiny backbone has 3 layers: layers 1 and 2 are the "trainable" top
@@ -166,3 +166,63 @@ def test_whitened_projections_project_kfac_whitened_weight_gradients():
             a, s = xi.T @ xi / real.sum(), di.T @ di / real.sum()
             want.append((p_out[i] @ inv_sqrt(s) @ g @ inv_sqrt(a) @ p_in[i].T).reshape(-1))
         torch.testing.assert_close(got[b], torch.cat(want), rtol=2e-3, atol=1e-5)
+
+
+def test_token_index_scores_the_positions_that_predicted_the_token_and_they_add_up_to_the_whole_gradient():
+    model, ids, mask, labels, states = _batch(seed=5, batch=4, length=12)
+    ids[:, 3] = 7  # token 7 predicted at position 2 of every sequence (and wherever the draw put it)
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    states = model.states_before_layer(ids, START, attention_mask=mask)
+    cache = GradientCache(model, START, rank=3, seed=4)
+    grads, parts = [], []
+    for lo in (0, 2):  # two batches: sequence numbers offset as a caller does
+        g, f = cache.gradients_and_positions(ids[lo: lo + 2], states[lo: lo + 2], mask[lo: lo + 2],
+                                             labels[lo: lo + 2])
+        f.sequence = f.sequence + lo
+        grads.append(g)
+        parts.append(f)
+    grads = torch.cat(grads)
+    torch.testing.assert_close(grads, cache.gradients(ids, states, mask, labels))
+    index = TokenGradientIndex(parts, n_sequences=4)
+    query = torch.randn(cache.dim, generator=torch.Generator().manual_seed(1))
+    # by hand, from hooks of our own: per sequence, the projected sum of d_t x_t^T over positions t predicting 7
+    mods = [m for _, m in tracked_linears(model, START)]
+    seen_in, seen_out, handles = {}, {}, []
+
+    def grab(i):
+        def forward(module, args, out):
+            seen_in[i] = args[0].detach()
+            out.register_hook(lambda g: seen_out.__setitem__(i, g.detach()))
+        return forward
+
+    for i, m in enumerate(mods):
+        handles.append(m.register_forward_hook(grab(i)))
+    x = states.clone().requires_grad_(True)
+    z, _ = model.final_states(ids, attention_mask=mask, start_layer=START, start_states=x)
+    logits = model.lm_head(z)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                      ignore_index=IGNORE_INDEX, reduction="sum").backward()
+    for h in handles:
+        h.remove()
+    predicts = torch.zeros_like(ids, dtype=torch.bool)
+    predicts[:, :-1] = (labels[:, 1:] == 7)
+    want = torch.zeros(4)
+    total = torch.zeros(4)
+    for b in range(4):
+        for i in range(len(mods)):
+            block = query[i * cache.block: (i + 1) * cache.block].reshape(3, 3)
+            t = predicts[b].nonzero(as_tuple=True)[0]
+            g = seen_out[i][b, t].T @ seen_in[i][b, t]  # (d_out, d_in) over the chosen positions only
+            want[b] += (block * (cache.p_out[i] @ g @ cache.p_in[i].T)).sum()
+    torch.testing.assert_close(index.scores(query, 7), want, rtol=2e-2, atol=2e-3)  # float16 storage
+    assert predicts.sum() >= 4
+    # every token's scores together give the whole gradient's product
+    for token in set(labels[:, 1:][labels[:, 1:] != IGNORE_INDEX].tolist()):
+        total += index.scores(query, token)
+    torch.testing.assert_close(total, grads @ query, rtol=2e-2, atol=2e-3)
+    absent = next(t for t in range(97) if not (labels[:, 1:] == t).any())  # a token no position predicts
+    assert torch.equal(index.scores(query, absent), torch.zeros(4))
+    with pytest.raises(ValueError, match="query must hold"):
+        index.scores(query[:5], 7)
+    with pytest.raises(ValueError, match="n_sequences"):
+        TokenGradientIndex(parts, n_sequences=3)
