@@ -45,10 +45,10 @@ READING_CHOICES = [(label, value) for value, label in READINGS.items()]
 # What the measured recall means, in one line under the panel's head (bench.attribution_truth, RESULTS.md).
 MEASURED = {
     "token": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
-              "planted sequence was in this top 10 for 91% of them (85% of those a longer-trained model had "
-              "learned); a plain word search (BM25) found 100%, and so did EK-FAC influence, about 90x slower."),
+              "planted sequence was in this top 10 for 91% of them (87% of those a longer-trained model had "
+              "learned); a plain word search (BM25) found 100%, and so did EK-FAC influence, about 50x slower."),
     "sequence": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
-                 "planted sequence was in this top 10 for 72% of them (66% of those a longer-trained model had "
+                 "planted sequence was in this top 10 for 72% of them (71% of those a longer-trained model had "
                  "learned); reading where they predicted this token finds 91%, a word search (BM25) and EK-FAC "
                  "influence 100%."),
 }
