@@ -40,6 +40,28 @@ def _weight_gradient(model, ids, mask, labels, states, b: int) -> list[torch.Ten
     return list(grads)
 
 
+def _layer_inputs_and_output_gradients(model, mods, ids, mask, labels, states) -> tuple[dict, dict]:
+    """Every module's input and its output's loss gradient (B, T, .), unprojected, from hooks of the test's own."""
+    seen_in, seen_out, handles = {}, {}, []
+
+    def grab(i):
+        def forward(module, args, out):
+            seen_in[i] = args[0].detach()
+            out.register_hook(lambda g: seen_out.__setitem__(i, g.detach()))
+        return forward
+
+    for i, m in enumerate(mods):
+        handles.append(m.register_forward_hook(grab(i)))
+    x = states.clone().requires_grad_(True)
+    z, _ = model.final_states(ids, attention_mask=mask, start_layer=START, start_states=x)
+    logits = model.lm_head(z)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                      ignore_index=IGNORE_INDEX, reduction="sum").backward()
+    for h in handles:
+        h.remove()
+    return seen_in, seen_out
+
+
 def test_projected_gradients_equal_the_projection_of_autograds_weight_gradient():
     model, ids, mask, labels, states = _batch()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -133,23 +155,7 @@ def test_whitened_projections_project_kfac_whitened_weight_gradients():
     got = cache.gradients(ids, states, mask, labels)
     # the factors by hand: inputs and output gradients of every tracked module, padded positions left out
     mods = [m for _, m in tracked_linears(model, START)]
-    seen_in, seen_out, handles = {}, {}, []
-
-    def grab(i):
-        def forward(module, args, out):
-            seen_in[i] = args[0].detach()
-            out.register_hook(lambda g: seen_out.__setitem__(i, g.detach()))
-        return forward
-
-    for i, m in enumerate(mods):
-        handles.append(m.register_forward_hook(grab(i)))
-    x = states.clone().requires_grad_(True)
-    z, _ = model.final_states(ids, attention_mask=mask, start_layer=START, start_states=x)
-    logits = model.lm_head(z)
-    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                      ignore_index=IGNORE_INDEX, reduction="sum").backward()
-    for h in handles:
-        h.remove()
+    seen_in, seen_out = _layer_inputs_and_output_gradients(model, mods, ids, mask, labels, states)
     real = mask.reshape(-1).bool()
 
     def inv_sqrt(m: torch.Tensor) -> torch.Tensor:
@@ -187,23 +193,7 @@ def test_token_index_scores_the_positions_that_predicted_the_token_and_they_add_
     query = torch.randn(cache.dim, generator=torch.Generator().manual_seed(1))
     # by hand, from hooks of our own: per sequence, the projected sum of d_t x_t^T over positions t predicting 7
     mods = [m for _, m in tracked_linears(model, START)]
-    seen_in, seen_out, handles = {}, {}, []
-
-    def grab(i):
-        def forward(module, args, out):
-            seen_in[i] = args[0].detach()
-            out.register_hook(lambda g: seen_out.__setitem__(i, g.detach()))
-        return forward
-
-    for i, m in enumerate(mods):
-        handles.append(m.register_forward_hook(grab(i)))
-    x = states.clone().requires_grad_(True)
-    z, _ = model.final_states(ids, attention_mask=mask, start_layer=START, start_states=x)
-    logits = model.lm_head(z)
-    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                      ignore_index=IGNORE_INDEX, reduction="sum").backward()
-    for h in handles:
-        h.remove()
+    seen_in, seen_out = _layer_inputs_and_output_gradients(model, mods, ids, mask, labels, states)
     predicts = torch.zeros_like(ids, dtype=torch.bool)
     predicts[:, :-1] = (labels[:, 1:] == 7)
     want = torch.zeros(4)
