@@ -1,5 +1,5 @@
-"""A gradient cache of the trainable layers, projected: per training sequence, a few thousand numbers from which the
-influence of that sequence on any later query is one dot product.
+"""A gradient cache of the trainable layers, projected: per training sequence (or per training token), a few
+thousand numbers from which the influence of that sequence on any later query is one dot product.
 
 For every nn.Linear in the trainable decoder layers (weight W: d_out x d_in), a sequence's loss gradient is
 G = sum_t d_t x_t^T, with x_t the layer's input and d_t the loss gradient at its output, position t. The cache keeps
@@ -26,12 +26,20 @@ Scores: score(query, n) = g_q^T (H + lambda)^-1 g_n, positive = the sequence's o
 that lowers the query's loss (helpful), as prism/attribution.py and kronfluence sign theirs. The query's gradient is
 that of its token's cross-entropy at its position.
 
+The same-token reading (TokenGradientIndex): every position's factors kept, sorted by the token it predicted, and a
+query about token y reads only the positions that predicted y. On the planted-fact benchmark
+(bench.attribution_truth, docs/RESULTS.md) this reading at r = 16 finds every planted copy, where the whole-loss
+reading at r = 16 finds about a quarter: summed over a sequence, the projection's noise drowns the one position
+that holds a fact.
+
     cache = GradientCache(model, start_layer, rank=16)
-    cache.covariances(**batch, stats=cov); cache.whiten(cov)   # optional: K-FAC-whitened projections
-    for batch in batches:                                 # input_ids, start_states, attention_mask, labels
-        grads.append(cache.gradients(**batch))            # (B, D) projected per-sequence gradients
-    cache.fit(torch.cat(grads), positions_stats)          # or fit_from(...) as GradientCache.build does it
-    scores = cache.scores(query_gradient)                 # (N,)
+    # batch = (input_ids, start_states, attention_mask, labels); stats collects the projected Kronecker factors
+    grads, parts = zip(*(cache.gradients_and_positions(*batch, stats) for batch in batches))
+    cache.fit(torch.cat(grads), stats)                    # EK-FAC in the projected space
+    index = TokenGradientIndex(list(parts), n_sequences)  # (each part's .sequence offset to the global numbering)
+    g = cache.query_gradient(ids, states, position, token)
+    whole = cache.scores(g)                               # (N,) the whole-loss reading
+    same = index.scores(cache.apply(g[None])[0], token)   # (N,) where they predicted `token`
 
 Pure torch (no kronfluence): the module is library code so the precompute job and the app could keep the cache
 beside the prototype rows. Needs trainable layers made of nn.Linear (Llama, Qwen, SmolLM2; not GPT-2's Conv1D).
