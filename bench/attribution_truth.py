@@ -609,10 +609,8 @@ def grad_cache_scores(ns, work: Path, precondition: str, same_token: bool = Fals
     click = per_query - frozen / len(queries)
     return np.stack(out).astype(np.float32), {
         "query_ms": round(1e3 * per_query, 3), "click_ms": round(1e3 * click, 3), "rank": ns.grad_rank,
-        "whiten": ns.grad_whiten,
-        "whiten_s": round(whiten_s, 1), "precondition": precondition,
-        "dims": cache.dim, "modules": len(cache.modules),
-        "index_mb": round((index.nbytes if same_token else cache.nbytes) / 1e6, 1),
+        "whiten": ns.grad_whiten, "whiten_s": round(whiten_s, 1), "precondition": precondition, "dims": cache.dim,
+        "modules": len(cache.modules), "index_mb": round((index.nbytes if same_token else cache.nbytes) / 1e6, 1),
         "gradients_s": round(build_s, 1), "fit_s": round(fit_s, 2)}
 
 
