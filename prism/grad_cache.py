@@ -99,7 +99,6 @@ class GradientCache:
         self.block = rank * rank
         self.dim = self.block * len(self.modules)
         self.q_a = self.q_s = self.eigen = self.damping = None
-        self.whitened = False
         self.precondition = None
         self.preconditioned: torch.Tensor | None = None  # (N, D), H^-1 g_n of the fitted training sequences
 
@@ -169,7 +168,6 @@ class GradientCache:
                 values = values.clamp_min(0)
                 inv_sqrt = (vectors * (values + damping_factor * values.mean()).rsqrt()) @ vectors.T
                 proj[i] = proj[i] @ inv_sqrt.float()
-        self.whitened = True
 
     def gradients(self, input_ids: torch.Tensor, start_states: torch.Tensor, attention_mask: torch.Tensor | None,
                   labels: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
