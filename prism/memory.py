@@ -9,9 +9,12 @@ which allocates more such buffers than the dense one, ran at 0.81 of dense train
 (docs/RESULTS.md, training throughput). How slow depends on the machine, not on the model.
 
 keep_freed_memory() tells glibc to serve large allocations from its heap and keep freed memory there (mallopt, in
-this process only). The process's resident size then stays at its peak instead of falling between steps, which is
-what a training run wants and a long-lived app does not: only training and its benchmark call it. Under another
-allocator (jemalloc or tcmalloc preloaded, musl) it changes nothing and says so.
+this process only), however much is freed at once: with a trim threshold of 2 GiB (the largest positive value
+mallopt takes) glibc still gave the heap's top back whenever a PRISM step freed more than that at once, and the
+next step faulted 0.4-1.6 GB in afresh (0.2-1.3 s on a 2-core AMD EPYC, in 4 to 5 of 24 steps in each precision);
+-1 disables trimming (mallopt(3)). The process's resident size then stays at its peak instead of falling between
+steps, which is what a training run wants and a long-lived app does not: only training and its benchmark call it.
+Under another allocator (jemalloc or tcmalloc preloaded, musl) it changes nothing and says so.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
-KEEP = 2**31 - 1  # free memory kept at the heap's top before glibc trims it (mallopt takes a C int: 2 GiB)
+KEEP = -1  # M_TRIM_THRESHOLD: never trim the heap's top (2**31 - 1 = 2 GiB still trimmed a PRISM step's)
 _kept = False
 
 
