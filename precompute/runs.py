@@ -114,7 +114,8 @@ class JobHooks:
     """What a test (or a benchmark) asks of a job beyond its arguments, passed in (Context.hooks; on a command line
     the hidden `--hook NAME=VALUE` flag), never read from the environment, never stored with the job's output:
     kill_after_chunk  evidence: SIGKILL after chunk N, before its checkpoint;
-    kill_at           attribution: "fit:N" or "vectors:N", SIGKILL after chunk N of that pass;
+    kill_at           attribution: "fit:N" or "vectors:N", SIGKILL after chunk N of that pass, "gradients:1"
+                      halfway through writing the gradient store;
     hold_chunk_s      labels, search: hold each chunk's transaction open this long (a reader sees it open);
     keep_tokens       attribution: keep the fit pass's per-token files beside the database (bench.attribution's
                       reference level reads them)."""

@@ -47,6 +47,7 @@ beside the prototype rows. Needs trainable layers made of nn.Linear (Llama, Qwen
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -57,6 +58,16 @@ import torch.nn.functional as F
 from prism.losses import IGNORE_INDEX
 
 PRECONDITIONERS = ("ekfac", "identity")
+
+
+def trained_start_layer(model) -> int:
+    """The first decoder layer prism.train trained (its metadata: mode "top" with n_layers, or "end-to-end"),
+    else the top two layers' (a model without that record)."""
+    meta = getattr(model.config, "metadata", None) or {}
+    n = model.n_layers if meta.get("mode") == "end-to-end" else int(meta.get("n_layers") or 0) \
+        if meta.get("mode") == "top" else 0
+    n = n or min(2, model.n_layers)
+    return model.n_layers - max(1, min(n, model.n_layers))
 
 
 def tracked_linears(model, start_layer: int) -> list[tuple[str, nn.Linear]]:
@@ -104,15 +115,19 @@ class GradientCache:
 
     # -- gradients ------------------------------------------------------------------------------------------------
 
-    def _run(self, input_ids, start_states, attention_mask, labels, project: bool = True):
-        """Forward and backward of the summed loss; per module the inputs and output gradients, projected
-        (B, T, r) each, or as they are (project=False)."""
+    def _run(self, input_ids, start_states, attention_mask, labels, project: bool = True, output_grad=None):
+        """Forward and backward of the summed loss (or, with output_grad (B, T, d), of <z, output_grad>: the
+        loss's gradient at the final states given, no vocabulary product); per module the inputs and output
+        gradients, projected (B, T, r) each, or as they are (project=False)."""
         xs: list[torch.Tensor | None] = [None] * len(self.modules)
         ds: list[torch.Tensor | None] = [None] * len(self.modules)
         handles = []
+        owner = threading.get_ident()  # the hooks see this pass only, not another thread's use of the same model
 
         def hook(i):
             def forward(module, args, output):
+                if threading.get_ident() != owner:
+                    return
                 xs[i] = args[0].detach().float()
                 if project:
                     xs[i] = xs[i] @ self.p_in[i].T
@@ -131,8 +146,10 @@ class GradientCache:
                 states = start_states.detach().float().requires_grad_(True)
                 z, _ = self.model.final_states(input_ids, attention_mask=attention_mask,
                                                start_layer=self.start_layer, start_states=states)
-                loss = shifted_loss(self.model.lm_head(z), labels)
-                loss.backward(inputs=[states])
+                if output_grad is None:
+                    shifted_loss(self.model.lm_head(z), labels).backward(inputs=[states])
+                else:
+                    z.backward(output_grad.to(z.dtype), inputs=[states])
         finally:
             for h in handles:
                 h.remove()
@@ -189,7 +206,19 @@ class GradientCache:
         targets[:, :-1] = labels[:, 1:]  # position t predicts token t + 1
         b, t = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
         return grads, PositionFactors(sequence=b, token=targets[b, t],
-                                      x=torch.stack([x[b, t] for x in xs], 1), d=torch.stack([d[b, t] for d in ds], 1))
+                                      x=torch.stack([x[b, t] for x in xs], 1), d=torch.stack([d[b, t] for d in ds], 1),
+                                      position=t)
+
+    def position_factors(self, input_ids: torch.Tensor, start_states: torch.Tensor,
+                         attention_mask: torch.Tensor | None, output_grad: torch.Tensor, sequence: torch.Tensor,
+                         position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected inputs and output gradients (n, M, r) each at the positions (sequence[i], position[i]),
+        when the loss's gradient at the final states is known already (output_grad (B, T, d), e.g. the attribution
+        job's per-token W^T (softmax - onehot), zero where no target counts): one forward and backward of the
+        trainable layers, no vocabulary product. Equals gradients_and_positions()'s factors at those positions."""
+        xs, ds = self._run(input_ids, start_states, attention_mask, None, output_grad=output_grad)
+        return (torch.stack([x[sequence, position] for x in xs], 1),
+                torch.stack([d[sequence, position] for d in ds], 1))
 
     def _combine(self, xs, ds, stats, attention_mask, input_ids) -> torch.Tensor:
         out = []
@@ -274,6 +303,63 @@ class GradientCache:
     def nbytes(self) -> int:
         return 0 if self.preconditioned is None else self.preconditioned.numel() * 4
 
+    # -- keeping it -----------------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The projections and the fitted EK-FAC preconditioner as named tensors (for safetensors; the fitted
+        sequences' H^-1 g_n are not kept: a stored cache reads positions, TokenGradientIndex)."""
+        if self.precondition != "ekfac" or self.q_a is None:
+            raise RuntimeError("fit() the ekfac preconditioner first")
+        out = {"damping": torch.tensor(self.damping, dtype=torch.float32)}
+        for i in range(len(self.modules)):
+            for key, values in (("p_in", self.p_in), ("p_out", self.p_out), ("q_a", self.q_a), ("q_s", self.q_s),
+                                ("eigen", self.eigen)):
+                out[f"{key}.{i}"] = values[i].float().contiguous()
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The inverse of state(): projections and preconditioner, checked against this model's layers."""
+        n = len(self.modules)
+        missing = [f"{k}.{i}" for k in ("p_in", "p_out", "q_a", "q_s", "eigen") for i in range(n)
+                   if f"{k}.{i}" not in state] + ([] if "damping" in state else ["damping"])
+        if missing or f"p_in.{n}" in state:
+            raise ValueError(f"the stored gradient cache does not match this model's {n} trainable linear layers "
+                             f"(missing {missing[:3]})" if missing else
+                             f"the stored gradient cache has more layers than this model's {n}")
+        for i, (name, m) in enumerate(self.modules):
+            if tuple(state[f"p_in.{i}"].shape) != (self.rank, m.in_features) or \
+                    tuple(state[f"p_out.{i}"].shape) != (self.rank, m.out_features):
+                raise ValueError(f"the stored projections of {name} do not match rank {self.rank} and the layer's "
+                                 f"{m.out_features} x {m.in_features} weight")
+        self.p_in = [state[f"p_in.{i}"].float() for i in range(n)]
+        self.p_out = [state[f"p_out.{i}"].float() for i in range(n)]
+        self.q_a = [state[f"q_a.{i}"].float() for i in range(n)]
+        self.q_s = [state[f"q_s.{i}"].float() for i in range(n)]
+        self.eigen = [state[f"eigen.{i}"].float() for i in range(n)]
+        self.damping = [float(v) for v in state["damping"]]
+        self.precondition, self.preconditioned = "ekfac", None
+
+
+def summed_gradients(sequence: torch.Tensor, x: torch.Tensor, d: torch.Tensor, n_sequences: int,
+                       stats: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(n_sequences, M r r): per sequence sum_t d~_t x~_t^T of its positions' factors (x, d (n, M, r); sequence
+    (n,)), as GradientCache.gradients() gives it when every position with a gradient is in x and d; with stats,
+    adds the positions' projected Kronecker statistics (fit()'s "a", "s", "positions") to it. For factors kept
+    in pieces (the attribution job's token files): call per piece with the same `out`, which it adds to."""
+    n, n_modules, rank = x.shape
+    x, d = x.float(), d.float()
+    outer = torch.einsum("nmo,nmi->nmoi", d, x).reshape(n, -1)
+    if out is None:
+        out = torch.zeros(n_sequences, n_modules * rank * rank, dtype=torch.float32)
+    out.index_add_(0, sequence.long(), outer)
+    if stats is not None:
+        for key, v in (("a", x), ("s", d)):
+            into = stats.setdefault(key, [torch.zeros(rank, rank, dtype=torch.float64) for _ in range(n_modules)])
+            for i in range(n_modules):
+                into[i] += (v[:, i].T @ v[:, i]).double()
+        stats["positions"] = stats.get("positions", 0) + n
+    return out
+
 
 @dataclass
 class PositionFactors:
@@ -284,6 +370,7 @@ class PositionFactors:
     token: torch.Tensor
     x: torch.Tensor
     d: torch.Tensor
+    position: torch.Tensor | None = None  # where in its sequence (gradients_and_positions fills it)
 
 
 class TokenGradientIndex:
@@ -301,30 +388,104 @@ class TokenGradientIndex:
         self.sequence = torch.cat([p.sequence for p in parts])[order]
         self.x = torch.cat([p.x for p in parts])[order].half()
         self.d = torch.cat([p.d for p in parts])[order].half()
+        self.position = torch.cat([p.position for p in parts])[order] if all(
+            p.position is not None for p in parts) else None
         self.n_sequences = n_sequences
-        if len(self.sequence) and int(self.sequence.max()) >= n_sequences:
-            raise ValueError(f"a position's sequence {int(self.sequence.max())} is not below n_sequences {n_sequences}")
+        self._check()
 
-    def scores(self, query: torch.Tensor, token: int) -> torch.Tensor:
-        """(n_sequences,) for a query's (preconditioned) projected gradient (D,) = M blocks of r x r; zero for the
-        sequences that never predicted the token."""
+    @classmethod
+    def from_sorted(cls, token: torch.Tensor, sequence: torch.Tensor, x: torch.Tensor, d: torch.Tensor,
+                    n_sequences: int, position: torch.Tensor | None = None) -> TokenGradientIndex:
+        """An index over arrays already sorted by token (as a stored index keeps them, e.g. memory-mapped): no
+        copy, no sort. token, sequence, position (n,); x, d (n, M, r) float16."""
+        self = cls.__new__(cls)
+        self.token, self.sequence, self.x, self.d, self.position = token, sequence, x, d, position
+        self.n_sequences = n_sequences
+        if x.dim() != 3 or x.shape != d.shape or len(token) != len(x) or len(sequence) != len(x):
+            raise ValueError(f"x and d must be (n, M, r) with n = len(token) = len(sequence), got x "
+                             f"{tuple(x.shape)}, d {tuple(d.shape)}, {len(token)} tokens, {len(sequence)} sequences")
+        if len(token) > 1 and bool((token[1:] < token[:-1]).any()):
+            raise ValueError("token must be sorted (ascending)")
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        if len(self.sequence) and int(self.sequence.max()) >= self.n_sequences:
+            raise ValueError(f"a position's sequence {int(self.sequence.max())} is not below n_sequences "
+                             f"{self.n_sequences}")
+
+    def position_scores(self, query: torch.Tensor, token: int) -> tuple[slice, torch.Tensor]:
+        """The rows (a slice of the sorted arrays: sequence[rows], position[rows]) of the positions that predicted
+        `token` and each one's <query, d~_t x~_t^T>, for a query's (preconditioned) projected gradient (D,) = M
+        blocks of r x r."""
         n_modules, rank = self.x.shape[1], self.x.shape[2]
         if query.numel() != n_modules * rank * rank:
             raise ValueError(f"query must hold {n_modules} x {rank} x {rank} numbers, got {query.numel()}")
         lo = int(torch.searchsorted(self.token, int(token)))
         hi = int(torch.searchsorted(self.token, int(token), right=True))
+        if hi <= lo:
+            return slice(lo, lo), torch.zeros(0)
+        m = query.float().reshape(n_modules, rank, rank)
+        return slice(lo, hi), torch.einsum("nmo,moi,nmi->n", self.d[lo:hi].float(), m, self.x[lo:hi].float())
+
+    def scores(self, query: torch.Tensor, token: int) -> torch.Tensor:
+        """(n_sequences,) for a query's (preconditioned) projected gradient (D,) = M blocks of r x r: per sequence
+        the sum of position_scores over its positions; zero for the sequences that never predicted the token."""
+        rows, value = self.position_scores(query, token)
         out = torch.zeros(self.n_sequences, dtype=torch.float32)
-        if hi > lo:
-            m = query.float().reshape(n_modules, rank, rank)
-            value = torch.einsum("nmo,moi,nmi->n", self.d[lo:hi].float(), m, self.x[lo:hi].float())
-            out.index_add_(0, self.sequence[lo:hi], value)
+        if len(value):
+            out.index_add_(0, self.sequence[rows].long(), value)
         return out
 
     @property
     def nbytes(self) -> int:
-        return (self.x.numel() + self.d.numel()) * 2 + (self.token.numel() + self.sequence.numel()) * 8
+        return sum(t.numel() * t.element_size() for t in (self.x, self.d, self.token, self.sequence, self.position)
+                   if t is not None)
 
 
 def batches(n: int, size: int) -> Iterable[range]:
     for lo in range(0, n, size):
         yield range(lo, min(n, lo + size))
+
+
+class StoredGradients:
+    """A gradient store read back (the attribution job writes it, precompute.attribution.load_gradient_store reads
+    it): the projections and EK-FAC preconditioner (a GradientCache) and every training token's factors sorted by
+    the token predicted (a TokenGradientIndex, memory-mapped). A query is one forward of the frozen layers, one
+    forward and backward of the trained layers and a product over the positions that predicted the token."""
+
+    def __init__(self, cache: GradientCache, index: TokenGradientIndex) -> None:
+        if index.position is None:
+            raise ValueError("a stored gradient index keeps each token's position")
+        if index.x.shape[1:] != (len(cache.modules), cache.rank):
+            raise ValueError(f"the index holds {tuple(index.x.shape[1:])} factors per token, the cache "
+                             f"{len(cache.modules)} layers x rank {cache.rank}")
+        self.cache, self.index = cache, index
+        # one query at a time: a pass from the trained layers' input states sets them on the model's shared top
+        # view (PrismForCausalLM.final_states with start_states)
+        self._lock = threading.Lock()
+
+    @property
+    def n_sequences(self) -> int:
+        return self.index.n_sequences
+
+    @torch.no_grad()
+    def query(self, input_ids: torch.Tensor, position: int, token: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the loss of `token` predicted at `position` of input_ids (1, T): the scores (n_sequences,) and,
+        of every training position that predicted the token, its sequence, its position and its part of its
+        sequence's score (the panel highlights them)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be (1, T), got {tuple(input_ids.shape)}")
+        if not 0 <= position < input_ids.shape[1]:
+            raise ValueError(f"position {position} outside the query's {input_ids.shape[1]} tokens")
+        ids = input_ids[:, : position + 1]
+        with self._lock:
+            states = self.cache.model.states_before_layer(ids, self.cache.start_layer)
+            g = self.cache.query_gradient(ids, states, position, token)
+        rows, value = self.index.position_scores(self.cache.apply(g[None])[0], token)
+        sequence, where = self.index.sequence[rows].long(), self.index.position[rows].long()
+        scores = torch.zeros(self.n_sequences, dtype=torch.float32)
+        if len(value):
+            scores.index_add_(0, sequence, value)
+        return scores, sequence, where, value

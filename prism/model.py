@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -467,12 +468,16 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         self, input_ids: torch.Tensor, layer: int, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The hidden states entering decoder layer `layer` (0-based), (B, T, d). Layers from `layer` up are not
-        run. These are what a top-N training run caches once (layer = n_layers - N)."""
+        run. These are what a top-N training run caches once (layer = n_layers - N). Other threads running the
+        model meanwhile (the app's other users) pass the hook by."""
         if not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must be in [0, {self.n_layers}), got {layer}")
         captured: dict[str, torch.Tensor] = {}
+        owner = threading.get_ident()
 
         def grab(module, args, kwargs):
+            if threading.get_ident() != owner:
+                return None
             captured["states"] = args[0] if args else kwargs["hidden_states"]
             raise _StopForward
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import duckdb
@@ -41,6 +42,8 @@ from prism.attribution import (
     top_sequences,
 )
 from prism.backbones import load_backbone, load_tokenizer
+from prism.grad_cache import GradientCache, batches
+from prism.losses import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[1]
 K, TOP_K, SEQ, RANK = 24, 3, 24, 16  # the tiny backbone has d = 32: the cache keeps half
@@ -333,6 +336,163 @@ def test_planted_training_sequence_ranks_first_for_reference_and_cached(loaded):
     assert "outline" in attribution_html(rows)
 
 
+def _stored_gradients(loaded, built):
+    store = cache.load_gradient_store(loaded["con"], loaded["model"], built)
+    assert store is not None
+    return store
+
+
+def test_gradient_store_holds_every_tokens_factors_of_the_trained_layers(loaded, built):
+    """The store against each sequence recomputed alone by GradientCache.gradients_and_positions (the loss through
+    lm_head, not the job's e-backward), with the store's own projections: every training token once, sorted by the
+    token it predicted, at its sequence and position, its factors equal up to float16."""
+    model, sequences = loaded["model"], loaded["sequences"]
+    store = _stored_gradients(loaded, built)
+    index, grads = store.index, store.cache
+    assert grads.start_layer == model.n_layers - 2 and len(grads.modules) == 14  # a Llama layer: 7 linear layers
+    assert index.n_sequences == len(sequences) and len(index.token) == sum(len(s) - 1 for s in sequences)
+    assert bool((index.token[1:] >= index.token[:-1]).all())
+    fresh = GradientCache(model, grads.start_layer, rank=grads.rank)
+    fresh.p_in, fresh.p_out = grads.p_in, grads.p_out
+    order = np.lexsort((index.position.numpy(), index.sequence.numpy()))  # (sequence, position) order
+    at = 0
+    for sid, ids in enumerate(sequences):
+        ids = torch.from_numpy(ids[None].astype(np.int64))
+        _, f = fresh.gradients_and_positions(ids, model.states_before_layer(ids, grads.start_layer), None, ids)
+        rows = order[at: at + len(f.token)]
+        at += len(f.token)
+        assert (index.sequence[rows] == sid).all() and (index.position[rows] == f.position).all()
+        assert (index.token[rows] == f.token).all()
+        for name, expected in (("x", f.x), ("d", f.d)):
+            got = getattr(index, name)[rows].float()
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(got, expected, atol=2e-3 * scale, rtol=2e-3, msg=f"{sid} {name}")
+    assert at == len(order)
+
+
+def test_gradient_store_reading_sums_to_the_whole_sequence_gradient_and_fits_ekfac_on_it(loaded, built):
+    """Summed over every token a sequence predicted, the stored reading is the query's preconditioned gradient
+    dotted with the sequence's whole projected loss gradient (GradientCache.gradients, computed here, batched);
+    the stored preconditioner is EK-FAC fitted on those gradients; a query's scores are the sums of its
+    positions' parts, and only sequences that predicted the token score."""
+    model, sequences = loaded["model"], loaded["sequences"]
+    store = _stored_gradients(loaded, built)
+    grads = store.cache
+    fresh = GradientCache(model, grads.start_layer, rank=grads.rank)
+    fresh.p_in, fresh.p_out = grads.p_in, grads.p_out
+    n_modules = len(grads.modules)
+    stats = {"a": [torch.zeros(grads.rank, grads.rank, dtype=torch.float64) for _ in range(n_modules)],
+             "s": [torch.zeros(grads.rank, grads.rank, dtype=torch.float64) for _ in range(n_modules)], "positions": 0}
+    whole = []
+    for idx in batches(len(sequences), 5):
+        length = max(len(sequences[i]) for i in idx)
+        ids = torch.zeros(len(idx), length, dtype=torch.long)
+        mask = torch.zeros(len(idx), length, dtype=torch.long)
+        for b, i in enumerate(idx):
+            ids[b, : len(sequences[i])] = torch.from_numpy(sequences[i].astype(np.int64))
+            mask[b, : len(sequences[i])] = 1
+        g, f = fresh.gradients_and_positions(ids, model.states_before_layer(ids, grads.start_layer, mask), mask,
+                                             ids.masked_fill(mask == 0, IGNORE_INDEX))
+        whole.append(g)
+        for i in range(n_modules):  # the Kronecker factors over the tokens with a target, as the job keeps them
+            stats["a"][i] += (f.x[:, i].T @ f.x[:, i]).double()
+            stats["s"][i] += (f.d[:, i].T @ f.d[:, i]).double()
+        stats["positions"] += len(f.token)
+    whole = torch.cat(whole)
+    fresh.fit(whole, stats)
+    for i in range(n_modules):  # the same curvature, up to float16 factors
+        torch.testing.assert_close(grads.eigen[i], fresh.eigen[i], rtol=2e-2, atol=1e-3 * float(fresh.eigen[i].max()))
+    query = torch.from_numpy(loaded["sequences"][3][None].astype(np.int64))
+    position, token = 6, int(query[0, 7])
+    scores, seq, pos, value = store.query(query, position, token)
+    q = grads.apply(grads.query_gradient(query[:, : position + 1], model.states_before_layer(
+        query[:, : position + 1], grads.start_layer), position, token)[None])[0]
+    total = torch.zeros(len(sequences))
+    for y in torch.unique(store.index.token).tolist():
+        total += store.index.scores(q, y)
+    torch.testing.assert_close(total, whole @ q, rtol=1e-2, atol=1e-3 * float((whole @ q).abs().max()))
+    assert len(value) == int((store.index.token == token).sum()) > 0
+    by_hand = torch.zeros(len(sequences)).index_add_(0, seq, value)
+    torch.testing.assert_close(scores, by_hand)
+    predicted = {s for s, ids in enumerate(sequences) if token in ids[1:].tolist()}
+    assert set(torch.nonzero(scores).flatten().tolist()) <= predicted
+    assert set(seq.tolist()) == predicted
+    # the app's rows: highlighted where the sequence predicted the token, no prototypes
+    best = [int(s) for s in top_sequences(scores.numpy(), 3) if scores[s] > 0]
+    rows = cache.gradient_rows(loaded["con"], loaded["tokenizer"], best, scores.numpy(), seq.numpy(), pos.numpy(),
+                               value.numpy(), token)
+    assert [r["sequence_id"] for r in rows] == best and rows[0]["prototypes"] == []
+    assert rows[0]["score"] == pytest.approx(float(scores[best[0]]))
+    assert sum(seg["target"] for seg in rows[0]["segments"]) == 1
+    assert "the trained layers" in attribution_html(rows)
+
+
+def test_planted_training_sequence_ranks_first_in_the_gradient_store(loaded, built):
+    sid, queries = _planted_queries(loaded)
+    store = _stored_gradients(loaded, built)
+    for q in queries:
+        scores, *_ = store.query(q.prefix(), q.position, q.token)
+        assert int(top_sequences(scores.numpy(), 1)[0]) == sid
+
+
+def test_a_gradient_query_leaves_other_threads_using_the_model_alone(loaded, built):
+    """The app's users share one model: a gradient query's hooks (the states entering the trained layers, the
+    layers' inputs and output gradients) must neither stop nor read another thread's forward pass, and two queries
+    at once give each its own answer."""
+    model = loaded["model"]
+    store = _stored_gradients(loaded, built)
+    text = torch.from_numpy(loaded["sequences"][5][None].astype(np.int64))
+    with torch.no_grad():
+        logits = model(text).logits
+    queries = [(torch.from_numpy(loaded["sequences"][s][None].astype(np.int64)), 9) for s in (2, 11)]
+    expected = [store.query(ids, pos, int(ids[0, pos + 1]))[0] for ids, pos in queries]
+    errors: list[BaseException] = []
+
+    def forwards():
+        try:
+            for _ in range(60):
+                with torch.no_grad():
+                    torch.testing.assert_close(model(text).logits, logits)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    def gradient_queries(which: int):
+        try:
+            ids, pos = queries[which]
+            for _ in range(15):
+                torch.testing.assert_close(store.query(ids, pos, int(ids[0, pos + 1]))[0], expected[which])
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=forwards), threading.Thread(target=gradient_queries, args=(0,)),
+               threading.Thread(target=gradient_queries, args=(1,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_a_gradient_store_of_another_build_or_model_is_not_read(setup, loaded, built, tmp_path, caplog):
+    db = tmp_path / "copy.duckdb"
+    shutil.copyfile(built, db)
+    shutil.copytree(cache.gradient_folder(built), cache.gradient_folder(db))
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert cache.load_gradient_store(con, loaded["model"], db) is not None
+        meta = cache.gradient_folder(db) / "meta.json"
+        saved = meta.read_text()
+        meta.write_text(saved.replace('"run_id": "', '"run_id": "x'))
+        assert cache.load_gradient_store(con, loaded["model"], db) is None and "another build" in caplog.text
+        meta.write_text(saved.replace('"rank": 16', '"rank": 8'))  # projections that do not fit its rank
+        assert cache.load_gradient_store(con, loaded["model"], db) is None
+        meta.write_text(saved)
+        shutil.rmtree(cache.gradient_folder(db))
+        assert cache.load_gradient_store(con, loaded["model"], db) is None  # none written: nothing to read
+    finally:
+        con.close()
+
+
 def test_where_the_approximation_leaves_nothing_out_cached_equals_reference(setup, loaded, tmp_path):
     """k = 1: prototypes are never co-active, A is diagonal: cached (coupled or block) equals the reference.
     k = 3, reading every prototype: the coupled read is the reference. Both at r = d (no projection)."""
@@ -485,7 +645,7 @@ def test_exact_shares_equal_one_float64_product():
 
 @pytest.mark.slow
 def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
-    for where in ("fit:2", "vectors:2"):
+    for where in ("fit:2", "vectors:2", "gradients:1"):
         db = tmp_path / f"killed-{where.replace(':', '')}.duckdb"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.run([sys.executable, "-m", "precompute", *_argv(setup, db), "--hook", f"kill-at={where}"],
@@ -497,7 +657,10 @@ def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
             assert con.execute("SELECT value FROM progress WHERE job = 'attribution' AND key = 'next_sequence'"
                                ).fetchone()[0] == "32"
             con.close()
-        assert not cache.exact_folder(db).exists()  # written last, after every vector
+        if where.startswith("gradients"):  # the exact store written, the gradient store only half
+            assert cache.exact_folder(db).exists() and not cache.gradient_folder(db).exists()
+        else:
+            assert not cache.exact_folder(db).exists()  # written last, after every vector
         precompute_main(_argv(setup, db))
         assert _dump(db) == _dump(built), where
         assert not cache.work_folder(db).exists()
@@ -505,6 +668,10 @@ def test_killed_job_resumes_to_the_uninterrupted_result(setup, built, tmp_path):
         for name in stored.EXACT_ARRAYS + stored.EXACT_ENTRY_ARRAYS:  # the exact store too
             resumed, whole = (np.load(cache.exact_folder(path) / f"{name}.npy") for path in (db, built))
             np.testing.assert_array_equal(resumed, whole, err_msg=f"{where}: {name}")
+        for name in [*stored.GRADIENT_ARRAYS, "preconditioner.safetensors"]:  # and the gradient store
+            path = name if "." in name else f"{name}.npy"
+            resumed, whole = ((cache.gradient_folder(p) / path).read_bytes() for p in (db, built))
+            assert resumed == whole, f"{where}: {name}"
 
 
 def test_rerun_is_idempotent_and_other_arguments_are_refused(setup, built, tmp_path, capsys):

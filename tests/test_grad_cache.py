@@ -6,7 +6,14 @@ import pytest
 import torch
 from helpers import random_ids, tiny_prism
 
-from prism.grad_cache import GradientCache, TokenGradientIndex, tracked_linears
+from prism.grad_cache import (
+    GradientCache,
+    TokenGradientIndex,
+    shifted_loss,
+    summed_gradients,
+    tracked_linears,
+    trained_start_layer,
+)
 from prism.losses import IGNORE_INDEX
 
 START = 1  # the tiny backbone has 3 layers: layers 1 and 2 are the "trainable" top
@@ -216,3 +223,50 @@ def test_token_index_scores_the_positions_that_predicted_the_token_and_they_add_
         index.scores(query[:5], 7)
     with pytest.raises(ValueError, match="n_sequences"):
         TokenGradientIndex(parts, n_sequences=3)
+
+
+def test_position_factors_from_the_output_gradient_equal_the_losss_and_the_state_round_trips():
+    """position_factors (backward from a given gradient at the final states, the attribution job's way) against
+    gradients_and_positions (backward from the loss through lm_head); summed_gradients of those factors against
+    gradients(); a fitted preconditioner saved with state() and loaded into a fresh cache applies the same; a
+    sorted index built from arrays equals the one built from parts; bad input refused."""
+    model, ids, mask, labels, states = _batch(seed=6, batch=3, length=11)
+    cache = GradientCache(model, START, rank=3, seed=2)
+    stats: dict = {}
+    grads, f = cache.gradients_and_positions(ids, states, mask, labels, stats)
+    with torch.enable_grad():  # the loss's gradient at the final states, by autograd
+        z, _ = model.final_states(ids, attention_mask=mask, start_layer=START, start_states=states)
+        z = z.detach().requires_grad_(True)
+        shifted_loss(model.lm_head(z), labels).backward()
+    x, d = cache.position_factors(ids, states, mask, z.grad, f.sequence, f.position)
+    torch.testing.assert_close(x, f.x)
+    torch.testing.assert_close(d, f.d, rtol=1e-4, atol=1e-6 * float(f.d.abs().max()))
+    mine: dict = {}
+    torch.testing.assert_close(summed_gradients(f.sequence, f.x, f.d, 3, mine), grads, rtol=1e-4, atol=1e-6)
+    for key in ("a", "s"):  # the positions with a target (the last one's output gradient is zero: S the same)
+        assert len(mine[key]) == len(cache.modules)
+    torch.testing.assert_close(mine["s"][0], stats["s"][0], rtol=1e-4, atol=1e-8)
+    cache.fit(grads, stats)
+    fresh = GradientCache(model, START, rank=3, seed=99)  # other projections until the state is loaded
+    fresh.load_state(cache.state())
+    query = torch.randn(cache.dim, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(fresh.apply(query[None]), cache.apply(query[None]))
+    torch.testing.assert_close(fresh.query_gradient(ids[:1], states[:1], 5, 11),
+                               cache.query_gradient(ids[:1], states[:1], 5, 11))
+    with pytest.raises(ValueError, match="rank 4"):
+        GradientCache(model, START, rank=4).load_state(cache.state())
+    with pytest.raises(ValueError, match="missing"):
+        fresh.load_state({k: v for k, v in cache.state().items() if k != "q_a.0"})
+    with pytest.raises(RuntimeError, match="fit"):
+        GradientCache(model, START, rank=3).state()
+    built = TokenGradientIndex([f], n_sequences=3)
+    sorted_ = TokenGradientIndex.from_sorted(built.token, built.sequence, built.x, built.d, 3, built.position)
+    for token in set(f.token.tolist()):
+        torch.testing.assert_close(sorted_.scores(query, token), built.scores(query, token))
+    with pytest.raises(ValueError, match="sorted"):
+        TokenGradientIndex.from_sorted(built.token.flip(0), built.sequence, built.x, built.d, 3)
+    with pytest.raises(ValueError, match="x and d"):
+        TokenGradientIndex.from_sorted(built.token, built.sequence, built.x, built.d[:-1], 3)
+    assert trained_start_layer(model) == model.n_layers - 2  # no training record: the top two layers
+    model.config.metadata = {"mode": "top", "n_layers": 1}
+    assert trained_start_layer(model) == model.n_layers - 1

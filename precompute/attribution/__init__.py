@@ -20,8 +20,15 @@ math is in prism/attribution.py; this job runs it over the corpus in three passe
    exact gradients) rotated into the eigenbasis of S, float16 with a scale per row, as .npy files in
    `<db>.attribution-exact/` (exact_folder), so the app can score a query's best candidates exactly (the
    reference's computation for them; prism.attribution.ExactStore). About 1.2 KB a row, some 170 rows a 64-token
-   sequence (200 KB); computed from the fit pass's token files like the vectors, written atomically, last, so a
+   sequence (200 KB); computed from the fit pass's token files like the vectors, written atomically, so a
    killed job writes it again on resume.
+5. gradient store (--attribution-grad-rank r, default 16; 0: none): the fit pass also runs the trained layers'
+   backward from each token's e (no second vocabulary product) and keeps, per token, every trained linear layer's
+   input and output gradient projected to r numbers (prism/grad_cache.py); this pass fits EK-FAC on the sequences'
+   projected gradients and writes the factors sorted by predicted token, with the projections and the
+   preconditioner, to `<db>.attribution-gradients/` (gradient_folder): the app's default reading (where a sequence
+   predicted the same token, in the layers' gradients). 2 r M float16 numbers a token (M = 14 linear layers for
+   two SmolLM2 layers: 896 bytes at r = 16); written atomically, last.
 
 Cost: the fit pass is one forward pass of the whole model per window plus, per token, a softmax over the
 vocabulary; its work files hold two d-vectors per token (about 4.7 KB per token for d = 576, 2.4 GB for 4096
@@ -39,17 +46,22 @@ from precompute.attribution.cache import (
     EXACT_ARRAYS,
     EXACT_ENTRY_ARRAYS,
     EXACT_FORMAT,
+    GRADIENT_ARRAYS,
+    GRADIENT_FORMAT,
     NAME,
     RERANK,
     SequenceCatalog,
     attribution_rows,
     document_text,
     exact_folder,
+    gradient_folder,
+    gradient_rows,
     has_attribution,
     index_folder_for,
     load_curvature,
     load_exact_store,
     load_factors,
+    load_gradient_store,
     load_index,
     progress_file,
     read_progress,
@@ -66,9 +78,9 @@ from precompute.attribution.job import (
     work_folder,
 )
 
-__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_ENTRY_ARRAYS", "EXACT_FORMAT", "JOB", "NAME",
-           "RERANK", "SequenceCatalog", "AttributionArgs", "add_arguments", "attribution_args", "attribution_rows",
-           "document_text", "exact_folder", "has_attribution", "index_folder_for", "kept_tokens_folder",
-           "load_curvature", "load_exact_store", "load_factors", "load_index", "progress_file", "read_progress",
-           "run", "sequence_token_ids", "sequences",
-           "work_folder"]
+__all__ = ["BUILD_HINT", "EXACT_ARRAYS", "EXACT_ENTRY_ARRAYS", "EXACT_FORMAT", "GRADIENT_ARRAYS", "GRADIENT_FORMAT",
+           "JOB", "NAME", "RERANK", "SequenceCatalog", "AttributionArgs", "add_arguments", "attribution_args",
+           "attribution_rows", "document_text", "exact_folder", "gradient_folder", "gradient_rows", "has_attribution",
+           "index_folder_for", "kept_tokens_folder", "load_curvature", "load_exact_store", "load_factors",
+           "load_gradient_store", "load_index", "progress_file", "read_progress", "run", "sequence_token_ids",
+           "sequences", "work_folder"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from precompute.runs import job_done, job_run_id
 from prism.attribution import (
@@ -29,6 +30,7 @@ from prism.attribution import (
     Curvature,
     ExactStore,
 )
+from prism.grad_cache import GradientCache, StoredGradients, TokenGradientIndex
 
 logger = logging.getLogger("precompute.attribution")
 
@@ -179,6 +181,52 @@ def load_exact_store(con: duckdb.DuckDBPyConnection, db_path: str | Path | None 
         entries = {n.removeprefix("entry_"): np.load(folder / f"{n}.npy", mmap_mode="r") for n in EXACT_ENTRY_ARRAYS}
     return ExactStore(arrays["rows"], np.asarray(arrays["scales"]), np.asarray(arrays["prototypes"]),
                       np.asarray(arrays["offsets"]), entries=entries)
+
+
+def gradient_folder(db: str | Path) -> Path:
+    """Where the build keeps its gradient store (prism.grad_cache.StoredGradients) beside the database."""
+    return Path(db).with_name(Path(db).name + ".attribution-gradients")
+
+
+GRADIENT_ARRAYS = ("token", "sequence", "position", "x", "d")
+GRADIENT_FORMAT = 1
+
+
+def load_gradient_store(con: duckdb.DuckDBPyConnection, model, db_path: str | Path | None = None
+                        ) -> StoredGradients | None:
+    """The gradient store the build wrote beside the database (job.write_gradient_store), memory-mapped, for
+    `model`; None when there is none (built with --attribution-grad-rank 0, or before the store existed), it
+    belongs to another build of the cache, or does not fit the model (logged)."""
+    path = Path(db_path) if db_path is not None else _database_path(con)
+    if path is None:
+        return None
+    folder = gradient_folder(path)
+    if not (folder / "meta.json").is_file():
+        return None
+    meta = json.loads((folder / "meta.json").read_text())
+    files = [folder / f"{n}.npy" for n in GRADIENT_ARRAYS] + [folder / "preconditioner.safetensors"]
+    if meta.get("format") != GRADIENT_FORMAT or not all(f.is_file() for f in files):
+        logger.warning("ignoring %s: a gradient store of format %s, this version reads format %d; rebuild the "
+                       "attribution cache with --overwrite", folder, meta.get("format"), GRADIENT_FORMAT)
+        return None
+    n_sequences = con.execute("SELECT count(*) FROM attribution_sequences").fetchone()[0]
+    if meta.get("run_id") != job_run_id(con, NAME) or meta.get("n_sequences") != n_sequences:
+        logger.warning("ignoring %s: it was written by another build of the attribution cache", folder)
+        return None
+    try:
+        grads = GradientCache(model, int(meta["start_layer"]), rank=int(meta["rank"]), seed=int(meta["seed"]))
+        if [name for name, _ in grads.modules] != meta["modules"]:
+            raise ValueError(f"it describes layers {meta['modules'][:2]}..., the model has "
+                             f"{[name for name, _ in grads.modules][:2]}...")
+        grads.load_state(load_file(str(folder / "preconditioner.safetensors")))
+    except (ValueError, KeyError) as err:
+        logger.warning("ignoring %s: %s", folder, err)
+        return None
+    # copy-on-write maps: never written, but writable arrays become tensors without a copy or a warning
+    arrays = {n: torch.from_numpy(np.load(folder / f"{n}.npy", mmap_mode="c")) for n in GRADIENT_ARRAYS}
+    index = TokenGradientIndex.from_sorted(arrays["token"], arrays["sequence"], arrays["x"], arrays["d"],
+                                           n_sequences, position=arrays["position"])
+    return StoredGradients(grads, index)
 
 
 INDEX_ARRAYS = ("prototype_ids", "sequence_ids", "vectors", "counts", "targets", "activations")
@@ -418,11 +466,7 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
     out = []
     for rank, sid in enumerate(sequence_ids):
         row = meta[int(sid)]
-        text, error = None, None
-        try:
-            text = document_text(row["doc_id"], row.pop("text"), row["sha256"])
-        except (KeyError, ValueError, ImportError) as err:
-            error = str(err)
+        text, error = _row_text(row)
         carried = np.flatnonzero(share_of[:, rank])
         carried = carried[np.lexsort((proto_ids[carried], -share_of[carried, rank]))]  # largest share first
         prototype, positions, acts, target_ids = active[int(sid)]
@@ -439,6 +483,40 @@ def attribution_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: li
                     "prototypes": [{"prototype_id": p, "contribution": c} for p, c in
                                    zip(proto_ids[carried].tolist(), share_of[carried, rank].tolist())],
                     "segments": segments, "error": error})
+    return out
+
+
+def _row_text(row: dict) -> tuple[str | None, str | None]:
+    """A sequence row's document text (its "text" popped: a pointer-only database reads it from the package), or
+    why it could not be read."""
+    try:
+        return document_text(row["doc_id"], row.pop("text"), row["sha256"]), None
+    except (KeyError, ValueError, ImportError) as err:
+        return None, str(err)
+
+
+def gradient_rows(con: duckdb.DuckDBPyConnection, tokenizer, sequence_ids: list[int], scores: np.ndarray,
+                  sequence: np.ndarray, position: np.ndarray, value: np.ndarray, token: int,
+                  context_chars: int = 240, catalog: SequenceCatalog | None = None) -> list[dict]:
+    """The top training sequences of the gradient store's reading (StoredGradients.query) as the app shows them:
+    score, document, spans, and the text around the positions that predicted `token`, highlighted by their part
+    of the score (those that raised the loss are not highlighted). No prototypes carry these scores: "prototypes"
+    is empty."""
+    if not sequence_ids:
+        return []
+    meta = SequenceCatalog.rows(con, sequence_ids, catalog)
+    out = []
+    for rank, sid in enumerate(sequence_ids):
+        row = meta[int(sid)]
+        text, error = _row_text(row)
+        mine = sequence == int(sid)
+        weight: dict[int, float] = {}
+        for pos, v in zip(position[mine].tolist(), value[mine].tolist()):
+            weight[pos] = weight.get(pos, 0.0) + max(v, 0.0)
+        segments = [] if text is None else _highlight(text, tokenizer, row, weight, context_chars,
+                                                      {pos: int(token) for pos in weight})
+        out.append({**row, "rank": rank, "score": float(scores[sid]), "prototypes": [], "segments": segments,
+                    "error": error})
     return out
 
 

@@ -1,5 +1,6 @@
-"""The attribution job's write side: the three passes over the training sequences (fit, factors, vectors) and the
-job interface; the package docstring (precompute/attribution/__init__.py) says what each pass keeps and costs.
+"""The attribution job's write side: the passes over the training sequences (fit, factors, vectors, the exact store;
+the gradient store is gradients.py's) and the job interface; the package docstring (precompute/attribution/
+__init__.py) says what each pass keeps and costs.
 
     summary = run(db, model, tokenizer, documents, AttributionArgs(max_sequences=4096), job_args)
 """
@@ -26,10 +27,12 @@ from precompute.attribution.cache import (
     EXACT_FORMAT,
     NAME,
     exact_folder,
+    gradient_folder,
     index_parts,
     load_factors,
     progress_file,
 )
+from precompute.attribution.gradients import gradient_cache_for, write_gradient_store
 from precompute.inputs import Context, Job, Window, document_windows
 from precompute.runs import (
     NO_HOOKS,
@@ -58,6 +61,7 @@ from prism.attribution import (
 )
 from prism.cli import arg
 from prism.data import is_validation
+from prism.grad_cache import GradientCache
 
 logger = logging.getLogger("precompute.attribution")
 
@@ -76,6 +80,8 @@ class AttributionArgs:
     damping: float = arg(0.1, "damping, relative to the mean eigenvalue of the curvature")
     holdout: float = arg(0.0, "leave out the documents prism.train held out for validation at this fraction (the "
                               "same doc-id hash, e.g. 0.05), so every sequence is one the model could train on")
+    grad_rank: int = arg(16, "projection size r of the gradient store of the trained layers (prism/grad_cache.py: "
+                             "2 x r numbers per linear layer and token); 0: no gradient store")
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "docs_per_chunk", "sequences_per_chunk"):
@@ -91,6 +97,8 @@ class AttributionArgs:
             raise ValueError(f"damping must be > 0, got {self.damping}")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if self.grad_rank < 0:
+            raise ValueError(f"grad_rank must be >= 0, got {self.grad_rank}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,12 +106,15 @@ class AttributionArgs:
 
 
 class TokenFiles:
-    """z (N, d), e (N, d), prototype ids (N, k), activations (N, k), sequence, position, target (N,): flat files."""
+    """z (N, d), e (N, d), prototype ids (N, k), activations (N, k), sequence, position, target (N,): flat files;
+    with grad_width (M r), the gradient store's projected layer inputs gx and output gradients gd (N, M r), float16."""
 
-    def __init__(self, folder: Path, d_model: int, top_k: int) -> None:
+    def __init__(self, folder: Path, d_model: int, top_k: int, grad_width: int = 0) -> None:
         self.folder = folder
         self.layout = {"z": (np.float32, d_model), "e": (np.float32, d_model), "ids": (np.int32, top_k),
                        "acts": (np.float32, top_k), "seq": (np.int32, 1), "pos": (np.int32, 1), "y": (np.int32, 1)}
+        if grad_width:
+            self.layout.update({"gx": (np.float16, grad_width), "gd": (np.float16, grad_width)})
         folder.mkdir(parents=True, exist_ok=True)
 
     def path(self, name: str) -> Path:
@@ -115,16 +126,21 @@ class TokenFiles:
             with path.open("ab") as f:
                 f.truncate(n_tokens * width * np.dtype(dtype).itemsize)
 
-    def append(self, stats: TokenStats, sequence_offset: int) -> None:
+    def append(self, stats: TokenStats, sequence_offset: int, factors: tuple | None = None) -> None:
+        """One batch's tokens; factors: their gradient-store factors (x, d), each (N, M, r), when kept."""
         values = {"z": stats.z, "e": stats.e, "ids": stats.prototype_ids, "acts": stats.activations,
                   "seq": stats.sequence + sequence_offset, "pos": stats.position, "y": stats.target}
+        if factors is not None:
+            values.update({"gx": factors[0].reshape(len(stats.z), -1), "gd": factors[1].reshape(len(stats.z), -1)})
         for name, (dtype, _) in self.layout.items():
             with self.path(name).open("ab") as f:
                 f.write(values[name].numpy().astype(dtype).tobytes())
 
-    def read(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+    def read(self, lo: int, hi: int, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
         out = {}
         for name, (dtype, width) in self.layout.items():
+            if names is not None and name not in names:
+                continue
             size = np.dtype(dtype).itemsize * width
             with self.path(name).open("rb") as f:
                 f.seek(lo * size)
@@ -179,6 +195,11 @@ class FitState:
 
 def work_folder(db: Path) -> Path:
     return db.with_name(db.name + ".attribution")
+
+
+def token_files(work: Path, model: PrismForCausalLM, grads: GradientCache | None) -> TokenFiles:
+    return TokenFiles(work / "tokens", model.d_model, model.config.top_k,
+                      0 if grads is None else len(grads.modules) * grads.rank)
 
 
 class Progress:
@@ -271,17 +292,35 @@ def _keep_tokens(db: Path, work: Path, state: FitState, d_model: int, top_k: int
 
 @torch.no_grad()
 def _process_windows(model: PrismForCausalLM, windows: list[Window], state: FitState, files: TokenFiles,
-                     pad_id: int) -> None:
+                     pad_id: int, grads: GradientCache | None = None) -> None:
     B, T = len(windows), max(len(w.ids) for w in windows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.long)
     for b, w in enumerate(windows):
         input_ids[b, : len(w.ids)] = torch.from_numpy(w.ids.astype(np.int64))
         mask[b, : len(w.ids)] = 1
-    z, _ = model.final_states(input_ids, attention_mask=mask)  # (B, T, d)
+    captured: dict[str, torch.Tensor] = {}
+    handle = None
+    if grads is not None:  # the states entering the trained layers, from the same forward pass
+        def grab(module, args, kwargs):
+            captured["states"] = (args[0] if args else kwargs["hidden_states"]).detach()
+        handle = model.decoder_layers()[grads.start_layer].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        z, _ = model.final_states(input_ids, attention_mask=mask)  # (B, T, d)
+    finally:
+        if handle is not None:
+            handle.remove()
     stats = token_statistics(model, z, next_token_targets(input_ids, mask))
+    factors = None
+    if grads is not None:
+        # the trained layers' inputs and output gradients at every target token, projected (prism/grad_cache.py):
+        # backward from the states' loss gradient e = W^T (softmax - onehot) the statistics hold already
+        output_grad = torch.zeros(B, T, z.shape[-1])
+        output_grad[stats.sequence, stats.position] = stats.e
+        factors = grads.position_factors(input_ids, captured["states"], mask, output_grad, stats.sequence,
+                                         stats.position)
     offset = state.n_sequences
-    files.append(stats, offset)
+    files.append(stats, offset, factors)
     state.curvature.add(stats)
     n_targets = torch.bincount(stats.sequence, minlength=B)
     losses = torch.zeros(B, dtype=torch.float64).index_add_(0, stats.sequence, stats.loss.double())
@@ -297,10 +336,12 @@ def _process_windows(model: PrismForCausalLM, windows: list[Window], state: FitS
 
 
 def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs, work: Path,
-            hooks: JobHooks = NO_HOOKS, progress: Progress = NO_PROGRESS) -> FitState:
-    """Pass 1, resumable: every training window once through the model."""
+            hooks: JobHooks = NO_HOOKS, progress: Progress = NO_PROGRESS,
+            grads: GradientCache | None = None) -> FitState:
+    """Pass 1, resumable: every training window once through the model (and, with grads, its trained layers'
+    projected gradient factors per token)."""
     state = FitState.load(work / "fit", model)
-    files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
+    files = token_files(work, model, grads)
     files.truncate(state.n_tokens)
     docs_file = work / "docs.jsonl"
     with docs_file.open("ab") as f:
@@ -315,7 +356,7 @@ def run_fit(model: PrismForCausalLM, tokenizer, documents, args: AttributionArgs
 
     def flush() -> None:
         for lo in range(0, len(chunk), args.batch_size):
-            _process_windows(model, chunk[lo: lo + args.batch_size], state, files, pad_id)
+            _process_windows(model, chunk[lo: lo + args.batch_size], state, files, pad_id, grads)
             progress("fit", state.n_sequences, args.max_sequences)  # per batch: a chunk can be the whole pass
         bar.update(len(chunk))
         state.chunks += 1
@@ -370,7 +411,7 @@ def _sequence_token_ranges(state: FitState) -> np.ndarray:
 
 def _rows_for(model: PrismForCausalLM, files: TokenFiles, offsets: np.ndarray, lo: int, hi: int) -> SequenceRows:
     """Exact sparse rows G_{s,i} of sequences [lo, hi) from the work files."""
-    t = files.read(int(offsets[lo]), int(offsets[hi]))
+    t = files.read(int(offsets[lo]), int(offsets[hi]), ("z", "e", "ids", "acts", "seq", "pos", "y"))
     n = len(t["z"])
     stats = TokenStats(z=torch.from_numpy(t["z"].copy()), e=torch.from_numpy(t["e"].copy()), m=torch.zeros(n, 0),
                        prototype_ids=torch.from_numpy(t["ids"].astype(np.int64)),
@@ -477,8 +518,9 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
     con = connect(db)
     try:
         stored = asdict(args)
-        if not args.holdout:  # caches built before the option existed keep their arguments
-            del stored["holdout"]
+        for name in ("holdout", "grad_rank"):  # caches built before these options existed keep their arguments
+            if not stored[name]:
+                del stored[name]
         status = start_job(con, NAME, {**job_args, **stored}, overwrite=overwrite)
         if status == "done":
             logger.info("attribution already built with these arguments in %s", db)
@@ -486,12 +528,13 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
             return None
         if status == "new":
             shutil.rmtree(work, ignore_errors=True)
-            for stale in (kept_tokens_folder(db), exact_folder(db)):  # an earlier build's
+            for stale in (kept_tokens_folder(db), exact_folder(db), gradient_folder(db)):  # an earlier build's
                 shutil.rmtree(stale, ignore_errors=True)
         model.eval()
         progress = Progress(db)
-        state = run_fit(model, tokenizer, documents, args, work, hooks, progress)
-        files = TokenFiles(work / "tokens", model.d_model, model.config.top_k)
+        grads = gradient_cache_for(model, args)
+        state = run_fit(model, tokenizer, documents, args, work, hooks, progress, grads)
+        files = token_files(work, model, grads)
         offsets = _sequence_token_ranges(state)
         if get_progress(con, NAME, "phase") != "vectors":
             progress("factors", 0, 1)
@@ -502,12 +545,16 @@ def run(db: str | Path, model: PrismForCausalLM, tokenizer, documents, args: Att
         n_rows = con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0]
         write_exact_store(model, files, offsets, n_rows, exact_folder(db), job_run_id(con, NAME),
                           parts[0].output_vectors, args.sequences_per_chunk, progress)
+        if grads is not None:
+            write_gradient_store(grads, files, state.n_sequences, state.n_tokens, gradient_folder(db),
+                                 job_run_id(con, NAME), progress, hooks)
         with transaction(con):
             finish_job(con, NAME)
         progress("done", state.n_sequences, state.n_sequences)
         summary = {"sequences": state.n_sequences, "tokens": state.n_tokens,
                    "rows": con.execute("SELECT count(*) FROM attribution_vectors").fetchone()[0],
-                   "rows_this_run": written, "rank": int(factors["basis"].shape[1])}
+                   "rows_this_run": written, "rank": int(factors["basis"].shape[1]),
+                   "gradient_rank": 0 if grads is None else grads.rank}
         if hooks.keep_tokens:
             _keep_tokens(db, work, state, model.d_model, model.config.top_k)
     finally:
@@ -522,7 +569,7 @@ def add_arguments(parser: argparse.ArgumentParser, shared: bool = False) -> None
     batch-size, docs-per-chunk and limit come from the evidence flags there, so both jobs cut the same windows)."""
     if not shared:
         cli.add_dataclass_arguments(parser, AttributionArgs, ("seq_len", "batch_size", "docs_per_chunk", "limit"))
-    cli.add_dataclass_arguments(parser, AttributionArgs, ("rank", "damping", "max_sequences", "holdout"),
+    cli.add_dataclass_arguments(parser, AttributionArgs, ("rank", "damping", "max_sequences", "holdout", "grad_rank"),
                                 prefix="attribution_")
     # the chunk size keeps its short flag, --attribution-chunk
     chunk = next(f for f in dataclasses.fields(AttributionArgs) if f.name == "sequences_per_chunk")
@@ -533,7 +580,7 @@ def attribution_args(ns: argparse.Namespace) -> AttributionArgs:
     return AttributionArgs(seq_len=ns.seq_len, batch_size=ns.batch_size, docs_per_chunk=ns.docs_per_chunk,
                            limit=ns.limit, max_sequences=ns.attribution_max_sequences, rank=ns.attribution_rank,
                            damping=ns.attribution_damping, sequences_per_chunk=ns.attribution_chunk,
-                           holdout=ns.attribution_holdout)
+                           holdout=ns.attribution_holdout, grad_rank=ns.attribution_grad_rank)
 
 
 def run_job(context: Context) -> dict | None:
