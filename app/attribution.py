@@ -6,16 +6,21 @@ for a database without one, from the cache the app builds on first start (app/tr
     html_text, data = attribution_panel(studio, "original", 3, session)   # the Gradio handler (api_name "attribute")
     attribute_token(studio, gen, 3, reading="sequence")      # the whole sequence's loss, not the token's positions
 
-Two readings of one cache (READINGS): by default a training sequence counts through the positions where it
-predicted the same token through the token's active prototypes (block-diagonal curvature; the reading that found
-the planted documents best, bench.attribution_truth); "sequence" reads its whole loss, with the co-used prototypes.
+Three readings (READINGS). By default ("gradient") a training sequence counts through the positions where it
+predicted the same token, in the trained layers' gradients: the build's gradient store (prism/grad_cache.py), the
+reading that found every planted fact in bench.attribution_truth. "token" asks the same question in prototype
+space (the token's active prototypes, block-diagonal curvature); "sequence" reads a sequence's whole loss through
+those prototypes and the ones co-used with them. A cache built without a gradient store (before it existed, or with
+--attribution-grad-rank 0) answers the default with the "token" reading and says so.
 
-A query costs one pass of the prototype head on the token's final state (kept with the generation), a sparse
-product over the prototypes it reads, and (reading the whole sequence) an exact second stage over its cache.RERANK
-best sequences from the build's exact store; the cached vectors are memory-mapped once per database (load_index and
-index_folder_for in precompute/attribution/cache.py; a child process writes them) and shared (read-only) by every
-user, as is the exact store (load_exact_store). Attribution uses the model's own activations: for the intervened
-text it is computed on that text without the interventions.
+A prototype-space query costs one pass of the prototype head on the token's final state (kept with the
+generation), a sparse product over the prototypes it reads, and (reading the whole sequence) an exact second stage
+over its cache.RERANK best sequences from the build's exact store; a gradient query costs a forward pass of the
+text up to the token, a backward pass through the trained layers and a product over the training positions that
+predicted the token. The cached vectors are memory-mapped once per database (load_index and index_folder_for in
+precompute/attribution/cache.py; a child process writes them) and shared (read-only) by every user, as are the
+exact store (load_exact_store) and the gradient store (load_gradient_store). Attribution uses the model's own
+activations: for the intervened text it is computed on that text without the interventions.
 """
 
 from __future__ import annotations
@@ -31,19 +36,26 @@ from app.messages import problem
 from app.render import attribution_html
 from precompute import attribution as cache
 from prism.attribution import CachedIndex, query_gradient, top_sequences
+from prism.grad_cache import StoredGradients
 
 logger = logging.getLogger(__name__)
 
 RUNS = ("original", "intervened", "prompt")
 EMPTY = "Click a generated token to see the training sequences behind it."
-# Two readings of the same cache: "token" (the default) keeps, of each training sequence, the positions that
-# predicted this very token through the token's active prototypes (CachedIndex.token_scores, block-diagonal);
-# "sequence" is the sequence's whole loss through them and the prototypes co-used with them (CachedIndex.scores
-# with the exact second stage). READINGS: value -> the radio's label.
-READINGS = {"token": "where they predicted this token", "sequence": "their whole loss"}
+# Three readings: "gradient" (the default) keeps, of each training sequence, the positions that predicted this very
+# token and reads the trained layers' gradients there (the gradient store, StoredGradients.query); "token" asks the
+# same through the token's active prototypes (CachedIndex.token_scores, block-diagonal); "sequence" is the
+# sequence's whole loss through them and the prototypes co-used with them (CachedIndex.scores with the exact second
+# stage). READINGS: value -> the radio's label.
+READINGS = {"gradient": "where they predicted this token (layers' gradients)",
+            "token": "where they predicted this token (prototypes)", "sequence": "their whole loss (prototypes)"}
 READING_CHOICES = [(label, value) for value, label in READINGS.items()]
+DEFAULT_READING = "gradient"
 # What the measured recall means, in one line under the panel's head (bench.attribution_truth, RESULTS.md).
 MEASURED = {
+    "gradient": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
+                 "planted sequence was in this top 10 for every one of them (learned or not), as often as a plain "
+                 "word search (BM25) and EK-FAC influence, which is 30-80x slower."),
     "token": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
               "planted sequence was in this top 10 for 91% of them (87% of those a longer-trained model had "
               "learned); a plain word search (BM25) found 100%, and so did EK-FAC influence, about 50x slower."),
@@ -55,6 +67,7 @@ MEASURED = {
 
 CacheDatabase = Database | training_data.ReadOnly  # the served database, or the first-start build's
 _indexes: weakref.WeakKeyDictionary[CacheDatabase, CachedIndex] = weakref.WeakKeyDictionary()
+_gradients: weakref.WeakKeyDictionary[CacheDatabase, StoredGradients | None] = weakref.WeakKeyDictionary()
 _catalogs: weakref.WeakKeyDictionary[CacheDatabase, cache.SequenceCatalog] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -86,6 +99,14 @@ def index_for(studio: Studio, db: CacheDatabase) -> CachedIndex:
         return _indexes[db]
 
 
+def gradients_for(studio: Studio, db: CacheDatabase) -> StoredGradients | None:
+    """The database's gradient store, memory-mapped on first use; None when its build wrote none."""
+    with _lock:
+        if db not in _gradients:
+            _gradients[db] = db.run(cache.load_gradient_store, studio.model, db.path)
+        return _gradients[db]
+
+
 
 
 def _load_index(con, path, output_embeddings) -> CachedIndex:
@@ -103,16 +124,17 @@ def _load_index(con, path, output_embeddings) -> CachedIndex:
 
 
 def check_reading(reading) -> str:
-    """'token' or 'sequence' (READINGS), else AppError."""
+    """'gradient', 'token' or 'sequence' (READINGS), else AppError."""
     if not isinstance(reading, str) or reading not in READINGS:
         raise AppError(f"reading must be {' or '.join(repr(r) for r in READINGS)}, got {limits.shown(reading)}")
     return reading
 
 
 def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10, in_prompt: bool = False,
-                    reading: str = "token") -> dict:
+                    reading: str = DEFAULT_READING) -> dict:
     """The top training sequences for generated token `index` of `gen` (with in_prompt: its prompt's token
-    `index`), with scores, documents and spans; `reading` as READINGS says."""
+    `index`), with scores, documents and spans; `reading` as READINGS says ("reading" in the result: the one
+    used, "token" where a "gradient" reading was asked of a cache without a gradient store, with "note")."""
     check_reading(reading)
     db = cache_database(studio)
     cached = index_for(studio, db)
@@ -121,10 +143,27 @@ def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10, 
                        f"{studio.n_prototypes}: rebuild it for this model")
     target = studio.target(gen, index, in_prompt)
     index, position, token = target.index, target.position, target.token_id
+    note = None
+    stored = gradients_for(studio, db) if reading == "gradient" else None
+    if reading == "gradient" and stored is None:
+        reading, note = "token", ("this attribution cache has no gradient store (built before it existed, or "
+                                  "with --attribution-grad-rank 0): shown where they predicted this token through "
+                                  "its prototypes; rebuild the cache for the gradient reading")
     z = studio.state(gen, index, in_prompt)  # (d,)
     ids, rows = query_gradient(studio.model, None, position, token, z=z)
     head = {"index": index, "in_prompt": in_prompt, "position": position, "token_id": token,
-            "token": studio.tokenizer.decode([token]), "reading": reading, "n_sequences": cached.n_sequences}
+            "token": studio.tokenizer.decode([token]), "reading": reading, "n_sequences": cached.n_sequences,
+            "note": note}
+    if stored is not None:
+        input_ids = gen.input_ids()[:, : position + 1]
+        scores, seq, pos, value = stored.query(input_ids, position, token)
+        scores = scores.numpy()
+        best = [s for s in (int(s) for s in top_sequences(scores, top)) if scores[s] > 0]
+        sequences = db.run(cache.gradient_rows, studio.tokenizer, best, scores, seq.numpy(), pos.numpy(),
+                           value.numpy(), token, catalog=_catalogs[db])
+        message = None if sequences else ("no training sequence predicted this token in a way that lowers its "
+                                          "loss through the trained layers")
+        return {**head, "prototype_ids": [int(i) for i in ids], "sequences": sequences, "message": message}
     if len(ids) == 0:
         return {**head, "prototype_ids": [], "sequences": [], "message": "no prototype is active at this token"}
     if reading == "token":
@@ -146,7 +185,7 @@ def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10, 
     return {**head, "prototype_ids": [int(i) for i in ids], "sequences": sequences, "message": None}
 
 
-def attribution_panel(studio: Studio, run: str, index, session, reading="token") -> tuple[str, dict | None]:
+def attribution_panel(studio: Studio, run: str, index, session, reading=DEFAULT_READING) -> tuple[str, dict | None]:
     """Gradio handler: (panel HTML, data) for the selected token of the original or intervened text."""
     try:
         if run not in RUNS:
@@ -161,17 +200,26 @@ def attribution_panel(studio: Studio, run: str, index, session, reading="token")
         return f'<p class="prism-attribution-status">{html.escape(problem(err))}</p>', None
     which = "prompt token" if run == "prompt" else "token"
     active = ", ".join(f"#{p}" for p in data["prototype_ids"])
-    if reading == "token":
+    reading = data["reading"]
+    if reading == "gradient":
+        how = (f"the training sequences whose tokens predicted {html.escape(repr(data['token']))} in the way that "
+               f"most lowered its loss, read in the trained layers' gradients; highlighted: those positions")
+        kind = "EK-FAC influence in a projection of the trained layers' gradients"
+    elif reading == "token":
         how = (f"the training sequences whose tokens predicted {html.escape(repr(data['token']))} through the "
                f"token's active prototypes {active} in the way that most lowered its loss (highlighted: those "
                f"positions)")
     else:
         how = (f"the training sequences whose whole loss gradient, through the token's active prototypes {active} "
                f"and those co-used with them, most lowered its loss")
+    if reading != "gradient":
+        kind = "cached prototype-space influence"
     head = (f'<p class="prism-attribution-status"><b>Training data behind {which} {data["index"]} '
             f'{html.escape(repr(data["token"]))}</b>: {how} '
-            f'(cached prototype-space influence, {data["n_sequences"]:,} training sequences searched).</p>'
+            f'({kind}, {data["n_sequences"]:,} training sequences searched).</p>'
             f'<p class="prism-attribution-measured">{html.escape(MEASURED[reading])}</p>')
+    if data.get("note"):
+        head += f'<p class="prism-attribution-status">{html.escape(data["note"][:1].upper() + data["note"][1:])}.</p>'
     if run == "intervened":
         head += '<p class="prism-attribution-status">Computed without the interventions.</p>'
     if data["message"]:

@@ -477,14 +477,15 @@ def clear_explanation(control: RunControl | None = None):
 
 
 @guarded
-def attribute(studio: Studio, run: str, index, session: Session, reading="token"):
-    """The training-data panel for one generated token (app/attribution.py), read as `reading` says ('token' or
-    'sequence'): (html, data)."""
+def attribute(studio: Studio, run: str, index, session: Session, reading="gradient"):
+    """The training-data panel for one generated token (app/attribution.py), read as `reading` says ('gradient',
+    'token' or 'sequence'): (html, data)."""
     return attribution_panel(studio, run, index, session, reading)
 
 
 @guarded
-def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session, reading="token"):
+def refresh_attribution(studio: Studio, token: dict | None, run: str, index, session: Session,
+                        reading="gradient"):
     """The training-data panel follows the explained token and the chosen reading; with no token explained it is
     empty."""
     if not token:

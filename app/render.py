@@ -23,7 +23,8 @@ def attribution_html(rows: list[dict]) -> str:
             source = (f'<a href="{html.escape(url, quote=True)}" target="_blank" rel="noopener noreferrer">'
                       f"{source or html.escape(url)}</a>")
         shares = [p for p in r["prototypes"] if p["contribution"] != 0][:4]
-        via = ", ".join(f"#{p['prototype_id']} {signed_number(p['contribution'])}" for p in shares)
+        via = ", ".join(f"#{p['prototype_id']} {signed_number(p['contribution'])}" for p in shares) \
+            or "the trained layers"  # the gradient reading: no prototype carries the score
         body = html.escape(r["error"]) if r.get("error") else segments_html(r["segments"])
         cards.append(
             f'<div class="prism-evidence prism-attribution"><div class="prism-evidence-text">…{body}…</div>'

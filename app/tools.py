@@ -247,9 +247,10 @@ def register(studio: Studio, model: dict | None = None) -> None:
 
     @guarded
     def training_data(prompt: str, index: int, max_new_tokens: int = 24, temperature: float = 0.0, seed: int = 0,
-                      top: int = 10, reading: str = "token", request: gr.Request = None) -> dict:
-        """The training sequences that most lowered the loss of generated token `index` (cached prototype-space
-        influence through the token's active prototypes): document ids, spans and scores, best first.
+                      top: int = 10, reading: str = "gradient", request: gr.Request = None) -> dict:
+        """The training sequences that most lowered the loss of generated token `index` (influence through the
+        trained layers' gradients, or through the token's active prototypes): document ids, spans and scores,
+        best first; "reading" in the result is the reading used and "note" says why it differs from the one asked.
 
         Args:
             prompt: the text to continue (the original text, without interventions).
@@ -258,8 +259,9 @@ def register(studio: Studio, model: dict | None = None) -> None:
             temperature: 0 for greedy.
             seed: the sampling seed.
             top: how many sequences (1 to 50).
-            reading: "token" (the positions where a sequence predicted this same token through its active
-                prototypes; the default) or "sequence" (the sequence's whole loss).
+            reading: "gradient" (the positions where a sequence predicted this same token, read in the trained
+                layers' gradients; the default, "token" where the cache has no gradient store), "token" (the same
+                positions through the token's active prototypes) or "sequence" (the sequence's whole loss).
         """
         check_reading(reading)
         settings = _settings(studio, prompt, max_new_tokens, temperature, seed)

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 PHASES = {"fit": "reading the training sequences", "factors": "fitting the curvature",
           "vectors": "caching the per-sequence vectors", "exact store": "writing the exact store",
-          "done": "finishing"}
+          "gradient store": "writing the gradient store", "done": "finishing"}
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,13 @@ class Recipe:
     holdout: float = 0.05  # prism.train's default val_fraction: its held-out documents are left out
     rank: int = 128
     batch_size: int = 8
+    grad_rank: int = 16  # the gradient store (the panel's default reading); 0: none
 
     def argv(self) -> list[str]:
         return ["--corpus", self.corpus, "--jobs", "attribution", "--seq-len", str(self.seq_len),
                 "--batch-size", str(self.batch_size), "--attribution-max-sequences", str(self.max_sequences),
-                "--attribution-rank", str(self.rank), "--attribution-holdout", str(self.holdout)]
+                "--attribution-rank", str(self.rank), "--attribution-holdout", str(self.holdout),
+                "--attribution-grad-rank", str(self.grad_rank)]
 
 
 def holdout_of(model_folder: Path) -> float:
@@ -246,8 +248,9 @@ class FirstStartBuild:
         progress = cache.read_progress(self.path) or {}
         phase = progress.get("phase", "fit")
         done, total = progress.get("done", 0), progress.get("total") or self.recipe.max_sequences
+        unit = "steps" if phase == "gradient store" else "sequences"  # three passes over its token chunks
         line = (f"Building the training-data cache on this machine, once ({PHASES.get(phase, phase)}: "
-                f"{done:,} of {total:,} sequences")
+                f"{done:,} of {total:,} {unit}")
         eta = progress.get("eta_s")
         if eta is not None and phase == "fit":
             line += f", this pass about {max(1, round(eta / 60))} min more"

@@ -17,8 +17,8 @@ from app import controllers as app_controllers
 from app import handlers as h
 from app import interventions as iv
 from app import plots, tools, training_data
+from app.attribution import DEFAULT_READING, READING_CHOICES
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
-from app.attribution import READING_CHOICES
 from app.cards import NO_CARD_PLOT
 from app.cards import NO_PROTOTYPE as NO_CARD
 from app.core import NEVER_ACTIVE, NO_PROTOTYPE, Studio
@@ -270,7 +270,7 @@ def _generate_panel(c: Components, studio: Studio) -> None:
     with gr.Accordion("Training data behind this token", open=True, elem_id="attribution-panel"):
         with gr.Row():
             c["attribute_btn"] = gr.Button("Find the training data", elem_id="attribute", scale=1)
-            c["reading"] = gr.Radio(READING_CHOICES, value="token", label="Count a training sequence by",
+            c["reading"] = gr.Radio(READING_CHOICES, value=DEFAULT_READING, label="Count a training sequence by",
                                     elem_id="attribution-reading", scale=2)
         c["attribution_html"] = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
         _training_data_status(studio)

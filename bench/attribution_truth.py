@@ -26,8 +26,9 @@ attribute  the methods, side by side in one run over the planted model's trainin
            grad_cache, a projected gradient cache of the trainable layers (prism/grad_cache.py: --grad-rank,
            optionally K-FAC-whitened projections (--grad-whiten), EK-FAC in the projected space;
            grad_cache_raw: the plain dot product; grad_cache_same_token: read at the positions that predicted the
-           answer token, prism.grad_cache.TokenGradientIndex). Each method's per-query latency and its process's
-           peak RSS.
+           answer token, prism.grad_cache.TokenGradientIndex); and cached_gradient, the app's default reading
+           as the app reads it: the gradient store the attribution job wrote (--grad-rank) and
+           StoredGradients.query. Each method's per-query latency and its process's peak RSS.
 report     recall@1, recall@10 (the share of a fact's planted sequences in the top 1 / 10) and MRR (first planted
            sequence), over learned facts and over all, with a 95% bootstrap interval; and over all facts with the
            "siblings" left out of the ranking (the copies of other facts with the same relation and answer, which
@@ -36,7 +37,7 @@ report     recall@1, recall@10 (the share of a fact's planted sequences in the t
 Ground truth of a fact: the training sequences whose text holds its whole statement (a copy cut by a window
 boundary taught the model nothing about it within one sequence, and counts in neither the truth nor the recall).
 
-Length: about 870 lines, on purpose: like prism/train.py, it reads top to bottom in the order a run happens (corpus,
+Length: about 900 lines, on purpose: like prism/train.py, it reads top to bottom in the order a run happens (corpus,
 training, learned, the methods, the report), each stage beside the record that lets it resume, and the methods it
 does not borrow from bench/attribution.py (BM25, embeddings, the same-token reading, the gradient cache's pass) are
 a few lines each.
@@ -67,10 +68,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("corpus", "train", "learned", "attribute", "report")
 RUNS = ("prism-planted", "prism-base", "dense-planted", "dense-base")
 METHODS = ("cached", "cached_rerank", "cached_same_token", "cached_same_token_block", "reference", "ekfac", "bm25",
-           "embedding", "grad_cache", "grad_cache_raw", "grad_cache_same_token")
+           "embedding", "grad_cache", "grad_cache_raw", "grad_cache_same_token", "cached_gradient")
 # run by this module, each in a child process of its own
 CHILD_METHODS = ("bm25", "embedding", "cached_same_token", "cached_same_token_block", "grad_cache", "grad_cache_raw",
-                 "grad_cache_same_token")
+                 "grad_cache_same_token", "cached_gradient")
 TOP = 10
 DEEP = 100  # the report's deep recall: what a second stage over the best DEEP candidates could at most find
 
@@ -363,7 +364,8 @@ def build_cache(ns, work: Path) -> dict:
     argv = ["-m", "precompute.attribution", "--model", str(work / "prism-planted" / "final"),
             "--corpus", str(work / "planted.jsonl"), "--db", str(db), "--seq-len", str(ns.seq_len),
             "--batch-size", str(ns.batch_size), "--attribution-rank", str(ns.rank),
-            "--attribution-holdout", str(ns.val_fraction), "--hook", "keep-tokens=1"]
+            "--attribution-holdout", str(ns.val_fraction), "--attribution-grad-rank", str(ns.grad_rank),
+            "--hook", "keep-tokens=1"]
     t0 = time.perf_counter()
     rss = _child(argv, work / "attribution-job.log")
     return {"cached_build_s": round(time.perf_counter() - t0, 1), "cached_build_peak_rss_mb": round(rss)}
@@ -532,6 +534,38 @@ def same_token_scores(work: Path, mode: str = "coupled") -> tuple[np.ndarray, fl
     return np.stack(out).astype(np.float32), (time.perf_counter() - t0) / len(out)
 
 
+def stored_gradient_scores(work: Path) -> tuple[np.ndarray, dict]:
+    """The app's default reading, as the app reads it: the gradient store the attribution job wrote beside the
+    cache (precompute.attribution.load_gradient_store, memory-mapped) and StoredGradients.query per fact (the
+    frozen layers' forward, the trained layers' forward and backward, the product over the positions that
+    predicted the answer token). Returns the scores and the record."""
+    import duckdb
+    import torch
+
+    from precompute.attribution import gradient_folder, load_gradient_store
+
+    model, tokenizer = _load(work / "prism-planted" / "final")
+    con = duckdb.connect(str(_db(work)), read_only=True)
+    try:
+        t0 = time.perf_counter()
+        store = load_gradient_store(con, model, _db(work))
+        load_s = time.perf_counter() - t0
+    finally:
+        con.close()
+    if store is None:
+        raise SystemExit(f"{_db(work)} has no gradient store: rebuild the cache (delete it and run --stages attribute)")
+    out, t0 = [], time.perf_counter()
+    for fact in _read_jsonl(work / "facts.jsonl"):
+        ids = tokenizer(fact["prompt"], add_special_tokens=False)["input_ids"]
+        scores, *_ = store.query(torch.tensor([ids]), len(ids) - 1, fact["answer_token"])
+        out.append(scores.numpy())
+    per_query = (time.perf_counter() - t0) / len(out)
+    folder = gradient_folder(_db(work))
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    return np.stack(out).astype(np.float32), {"query_ms": round(1e3 * per_query, 3), "load_s": round(load_s, 2),
+                                              "rank": store.cache.rank, "index_mb": round(size / 1e6, 1)}
+
+
 def grad_cache_scores(ns, work: Path, precondition: str, same_token: bool = False) -> tuple[np.ndarray, dict]:
     """The projected gradient cache (prism/grad_cache.py) over the planted model's trainable layers: with
     --grad-whiten N, K-FAC's factors from one pass over the first N training sequences and whitened projections;
@@ -620,6 +654,11 @@ def run_text_method(ns, work: Path, method: str) -> dict:
     if method.startswith("grad_cache"):
         scores, out = grad_cache_scores(ns, work, "identity" if method.endswith("_raw") else "ekfac",
                                         same_token=method.endswith("_same_token"))
+        np.save(work / "scores" / f"{method}.npy", scores)
+        (work / "scores" / f"{method}.json").write_text(json.dumps(out))
+        return out
+    if method == "cached_gradient":
+        scores, out = stored_gradient_scores(work)
         np.save(work / "scores" / f"{method}.npy", scores)
         (work / "scores" / f"{method}.json").write_text(json.dumps(out))
         return out

@@ -6,6 +6,8 @@ Needs `apt-get install -y chromium`; without it the browser test FAILS.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -62,10 +64,10 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
     assert "Training data behind token 2" in html and html.count("prism-attribution\"") == 10
     assert payload["sequences"][0]["doc_id"] == rows[0]["doc_id"] and "segments" not in payload["sequences"][0]
     assert "whole loss gradient" in html
-    # the default reading: only the positions where a sequence predicted this same token, block-diagonally
+    # the prototype reading of the same token: only the positions where a sequence predicted it, block-diagonally
     token = gen.steps[2].token_id
-    data = attribute_token(studio, gen, 2, top=5)
-    assert data["reading"] == "token"
+    data = attribute_token(studio, gen, 2, top=5, reading="token")
+    assert data["reading"] == "token" and data["note"] is None
     total, _ = index.token_scores(ids, g, token)
     expected = np.sort(total[total > 0])[::-1][:5]
     assert len(expected) > 0
@@ -75,8 +77,24 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
         marked = [i for i, seg in enumerate(r["segments"]) if seg["target"]]
         assert len(marked) == 1  # the strongest highlighted position is followed by the queried token itself
         assert r["segments"][marked[0] + 1]["text"] == studio.tokenizer.decode([token])
-    html, _ = attribution_panel(studio, "original", 2, Session(original=gen))
+    html, _ = attribution_panel(studio, "original", 2, Session(original=gen), "token")
     assert f"predicted {repr(data['token'])}" in html.replace("&#x27;", "'") and "91%" in html
+    # the default: the same positions read in the trained layers' gradients (the build's gradient store), the
+    # same numbers as the store read directly
+    stored = studio.db.run(cache.load_gradient_store, studio.model, studio.db.path)
+    assert stored is not None
+    data = attribute_token(studio, gen, 2, top=5)
+    assert data["reading"] == "gradient" and data["note"] is None
+    scores, seq, _, _ = stored.query(gen.input_ids(2), position, token)
+    expected = np.sort(scores[scores > 0].numpy())[::-1][:5]
+    assert len(expected) > 0 and set(seq.tolist()) >= {r["sequence_id"] for r in data["sequences"]}
+    np.testing.assert_allclose([r["score"] for r in data["sequences"]], expected, rtol=1e-5, atol=1e-7)
+    for r in data["sequences"]:
+        assert r["prototypes"] == [] and r["error"] is None
+        marked = [i for i, seg in enumerate(r["segments"]) if seg["target"]]
+        assert len(marked) == 1 and r["segments"][marked[0] + 1]["text"] == studio.tokenizer.decode([token])
+    html, _ = attribution_panel(studio, "original", 2, Session(original=gen))
+    assert "trained layers' gradients" in html and "every one of them" in html and "via the trained layers" in html
     html, payload = attribution_panel(studio, "original", 2, Session(original=gen), "everything")
     assert payload is None and "reading must be" in html
     # a prompt token: the query gradient of the logit the model gave it, from the prompt before it alone
@@ -89,6 +107,25 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
                                atol=1e-6)
     html, _ = attribution_panel(studio, "prompt", n - 1, Session(original=gen))
     assert f"Training data behind prompt token {n - 1}" in html
+    data = attribute_token(studio, gen, n - 1, top=5, in_prompt=True)  # the gradient reading of a prompt token
+    scores, *_ = stored.query(torch.tensor([list(gen.prompt_ids)]), n - 2, gen.prompt_ids[-1])
+    np.testing.assert_allclose([r["score"] for r in data["sequences"]],
+                               np.sort(scores[scores > 0].numpy())[::-1][:5], rtol=1e-5, atol=1e-7)
+
+
+def test_a_cache_without_a_gradient_store_answers_the_default_with_prototypes_and_says_so(assets, studio,
+                                                                                          tmp_path):
+    db = tmp_path / "no-gradients.duckdb"
+    shutil.copyfile(assets["attribution_db"], db)
+    shutil.copytree(cache.exact_folder(assets["attribution_db"]), cache.exact_folder(db))
+    older = Studio.load(assets["model"], db)
+    gen = older.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
+    data = attribute_token(older, gen, 2, top=5)
+    assert data["reading"] == "token" and "no gradient store" in data["note"]
+    expected = attribute_token(studio, gen, 2, top=5, reading="token")
+    assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
+    html, _ = attribution_panel(older, "original", 2, Session(original=gen))
+    assert "This attribution cache has no gradient store" in html and "91%" in html
 
 
 def test_the_panel_says_how_to_build_what_is_missing(assets, studio):
@@ -121,7 +158,7 @@ def test_attribute_endpoint(app, studio):
     gen = studio.generate(GenerationSettings(PROMPT, max_new_tokens=TOKENS))
     expected = attribute_token(studio, gen, 2)
     assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
-    assert "Training data behind token 2" in html and data["reading"] == "token"
+    assert "Training data behind token 2" in html and data["reading"] == "gradient"
     html, data = client.predict("original", 2, "sequence", api_name="/attribute")
     expected = attribute_token(studio, gen, 2, reading="sequence")
     assert [r["sequence_id"] for r in data["sequences"]] == [r["sequence_id"] for r in expected["sequences"]]
@@ -144,6 +181,7 @@ def test_click_a_token_and_see_its_training_data(app, browser):
     cards = page.locator("#attribution .prism-attribution")
     assert 1 <= cards.count() <= 10  # by default only sequences that predicted this token count
     assert "score" in cards.first.inner_text() and "doc-" in cards.first.inner_text()
+    assert "via the trained layers" in cards.first.inner_text()  # the default: the layers' gradients
     assert page.locator("#attribution span[style*='outline']").count() >= 1  # the strongest token is marked
     page.locator("#attribution").scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "app-attribution-token.png"), full_page=True)
