@@ -54,8 +54,8 @@ DEFAULT_READING = "gradient"
 # What the measured recall means, in one line under the panel's head (bench.attribution_truth, RESULTS.md).
 MEASURED = {
     "gradient": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
-                 "planted sequence was in this top 10 for every one of them (learned or not), as often as a plain "
-                 "word search (BM25) and EK-FAC influence, which is 30-80x slower."),
+                 "planted sequence was in this top 10 for every one of them (learned or not); EK-FAC influence "
+                 "found 99.7% at 60x the cost per query (batched 120 at a time), a plain word search (BM25) 100%."),
     "token": ("How often this is right, measured: for 120 made-up facts planted in a 300k-token training set, the "
               "planted sequence was in this top 10 for 91% of them (87% of those a longer-trained model had "
               "learned); a plain word search (BM25) found 100%, and so did EK-FAC influence, about 50x slower."),
