@@ -107,10 +107,13 @@ def _load_model(path: str):
 
 
 def start_layer_of(model, peer_layers: int | None) -> int:
-    from bench.attribution_ekfac import trainable_layers
+    """The peer's first layer: the top peer_layers, else the layers the model trained (the attribution job's
+    gradient store reads the same ones)."""
+    from prism.grad_cache import trained_start_layer
 
-    n = peer_layers or trainable_layers(model) or min(2, model.n_layers)
-    return model.n_layers - max(1, min(n, model.n_layers))
+    if not peer_layers:
+        return trained_start_layer(model)
+    return model.n_layers - max(1, min(peer_layers, model.n_layers))
 
 
 @torch.no_grad()

@@ -45,16 +45,6 @@ FACTORS_NAME = "prism_ekfac"
 SCORES_NAME = "prism_pairwise"
 
 
-def trainable_layers(model: PrismForCausalLM) -> int:
-    """How many top decoder layers the checkpoint trained (PrismConfig.metadata from prism.train), else 0."""
-    meta = model.config.metadata or {}
-    if meta.get("mode") == "top":
-        return int(meta.get("n_layers") or 0)
-    if meta.get("mode") == "end-to-end":
-        return model.n_layers
-    return 0
-
-
 class TopLayers(nn.Module):
     """(input_ids, start_states, attention_mask) -> logits (B, T, V) through decoder layers start_layer.. only."""
 
