@@ -145,7 +145,9 @@ def test_small_run_measures_every_method_against_the_planted_truth(small_run):
     assert report["facts"] == len(facts) == 12
     assert set(report["methods"]) == {"cached", "cached_rerank", "cached_same_token", "cached_same_token_block",
                                       "reference", "ekfac", "bm25", "embedding", "grad_cache", "grad_cache_raw",
-                                      "grad_cache_same_token"}
+                                      "grad_cache_same_token", "cached_gradient"}
+    # the app's store reads the positions that predicted the answer: every planted copy holds one
+    assert report["methods"]["cached_gradient"]["copies_scored_zero"] == 0
     # the truth: every true sequence's text holds the statement (checked on the stored text, independently)
     from bench.attribution_truth import ground_truth, sequence_texts
 
