@@ -21,6 +21,7 @@ different machines are different rows, never one number.
 from __future__ import annotations
 
 import copy
+import logging
 import platform
 import statistics
 import sys
@@ -47,6 +48,8 @@ from prism.train import (
 # the vector extensions that decide which CPU kernels run (matrix products, bfloat16)
 EXTENSIONS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
               "avx_vnni", "asimd", "sve", "bf16")
+
+logger = logging.getLogger("bench.train_throughput")
 
 
 def machine() -> dict:
@@ -111,7 +114,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "most self CPU time (the table also goes to stderr)")
     parser.add_argument("--autocast-compare", action="store_true",
                         help="also time bfloat16 mixed precision (--autocast bfloat16) against float32: PRISM and "
-                             "dense steps, and the lower layers' forward that fills the cache")
+                             "dense steps, and the lower layers' forward that fills the cache; skipped, with a "
+                             "line saying so, on a CPU that emulates bfloat16 (no AVX-512 BF16 or AMX)")
+    parser.add_argument("--force-bfloat16", action="store_true",
+                        help="with --autocast-compare, time bfloat16 even where it is emulated (tens of times "
+                             "slower than float32 there: an hour for the 24-repeat run)")
     parser.add_argument("--release-freed-memory", action="store_true",
                         help="leave glibc returning large freed buffers to the kernel (prism.train's flag of the "
                              "same name): measures the allocator's default instead of what training does")
@@ -119,6 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
     path_terms = {name: getattr(args, name) for name in ("lambda_path_ce", "lambda_path_kl", "lambda_head_rec")}
     with cli.expected_errors(parser, ValueError):  # bad sizes or weights, before anything loads
         PrismConfig(n_prototypes=args.n_prototypes, top_k=args.top_k, **path_terms)
+    emulated = ""
+    if args.autocast_compare and not args.force_bfloat16 and not native_bfloat16():
+        emulated = (f"bfloat16 not timed: this CPU ({torch.backends.cpu.get_cpu_capability()}) emulates bfloat16 "
+                    "products, tens of times slower than float32, so training here runs in float32 "
+                    "(--autocast auto); --force-bfloat16 times it anyway")
+        logger.warning(emulated)
+        args.autocast_compare = False
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.release_freed_memory:
@@ -214,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
             "cache_fill_s_per_batch": fill_med["none"], "cache_fill_bf16_s_per_batch": fill_med["bfloat16"],
             "cache_fill_speedup": fill_med["none"] / fill_med["bfloat16"],
         }
+    if emulated:
+        result["autocast"] = {"skipped": emulated}
     if args.profile:
         result["profile"] = profiles
     cli.print_json(result)

@@ -82,10 +82,24 @@ def test_train_throughput_bench_compares_autocast_on_the_same_steps(tmp_path):
     result = bench.main(["--backbone", str(tiny_backbone_dir(tmp_path / "bb")), "--corpus",
                          str(write_corpus(tmp_path / "c")), "--n-layers", "1", "--n-prototypes", "16",
                          "--top-k", "4", "--seq-len", "32", "--batch-size", "2", "--repeats", "3",
-                         "--autocast-compare", "--profile", "3", "--release-freed-memory"])
+                         "--autocast-compare", "--force-bfloat16", "--profile", "3", "--release-freed-memory"])
     assert set(result["profile"]) == {"prism", "dense", "prism_bf16", "dense_bf16"}  # both precisions profiled
     assert all(len(rows) == 3 and rows[0]["self_ms_per_step"] >= rows[-1]["self_ms_per_step"]
                for rows in result["profile"].values())
     ac = result["autocast"]
     assert ac["prism_bf16_s_per_step"] > 0 and ac["dense_bf16_s_per_step"] > 0 and ac["cache_fill_speedup"] > 0
+
+
+def test_train_throughput_bench_skips_bfloat16_where_it_is_emulated(tmp_path, monkeypatch, caplog):
+    """On a CPU without native bfloat16 (AVX2 only) a bfloat16 step is tens of times slower: --autocast-compare
+    times float32 alone there and says so, in the result and in the log."""
+    bench = _load("train_throughput")
+    monkeypatch.setattr(bench, "native_bfloat16", lambda device="cpu": False)  # what an AVX2-only CPU answers
+    result = bench.main(["--backbone", str(tiny_backbone_dir(tmp_path / "bb")), "--corpus",
+                         str(write_corpus(tmp_path / "c")), "--n-layers", "1", "--n-prototypes", "16",
+                         "--top-k", "4", "--seq-len", "32", "--batch-size", "2", "--repeats", "2",
+                         "--autocast-compare", "--profile", "2"])
+    assert set(result["steps"]) == set(result["profile"]) == {"prism", "dense"}  # no bfloat16 model ran
+    assert "emulates bfloat16" in result["autocast"]["skipped"] and result["prism_s_per_step"] > 0
+    assert "--force-bfloat16" in caplog.text
 
