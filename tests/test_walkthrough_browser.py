@@ -1,9 +1,17 @@
-"""The README walkthrough ("switch the King James register off"), driven through the real UI on the shipped
-default in Debian's chromium: the prompt, temperature and seed are read from README.md itself, so the README and
-this test cannot drift apart. It asserts what the README says will be seen: markers in the original continuation,
-a marker's slices adding up to its logit, fewer markers (on our machine none) after the preset with the default
-re-routing, "why it changed" naming a prototype that took a suppressed one's slot, and another text once the
-session switches to removing the slices. Screenshots go to test-artifacts/. Slow (loads SmolLM2 once)."""
+"""The README's two walkthroughs, driven through the real UI on the shipped default in Debian's chromium: the prompt,
+temperature and seed (and for the modern one the clicked token and the prototype) are read from README.md itself, so
+the README and this test cannot drift apart.
+
+"Switch the King James register off": markers in the original continuation, a marker's slices adding up to its
+logit, fewer markers (on our machine none) after the preset with the default re-routing, "why it changed" naming a
+prototype that took a suppressed one's slot, and another text once the session switches to removing the slices.
+
+"A modern email, one prototype switched off": the clicked word is the README's, the prototype it names carries the
+largest slice, the training-data panel lists sequences on the same click, and suppressing that one prototype from its
+card changes the word, with "why it changed" naming it. The shipped database has no training-data cache (the app
+builds one on first start, 3,072 sequences, about 15 minutes), so the module serves a copy with a cache of 256 of the
+model's own training sequences, built here by the same job. Screenshots go to test-artifacts/. Slow (builds that
+cache, loads SmolLM2 once)."""
 
 from __future__ import annotations
 
@@ -14,6 +22,8 @@ from test_app_support import CHANGED_RGB, ROOT, running_app
 
 from app import handlers
 from app.assets import DEFAULT_MODEL, resolve_db
+from precompute.__main__ import main as precompute_main
+from precompute.attribution import has_attribution
 from precompute.presets import PRESETS
 
 pytestmark = pytest.mark.slow  # servers and browsers: not in the fast tier
@@ -33,10 +43,20 @@ def open_with_prompt(browser, app: str, prompt: str):
     return page
 
 
-def walkthrough_settings() -> dict:
-    """Prompt, temperature and seed of the README walkthrough's step 1."""
+KJV = "### Walkthrough: switch the King James register off"
+MODERN = "### Walkthrough: a modern email, one prototype switched off"
+
+
+def readme_section(title: str) -> str:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Walkthrough: switch the King James register off"):]
+    start = text.index(title)
+    end = text.find("\n### ", start + len(title))
+    return text[start: end if end > 0 else len(text)]
+
+
+def walkthrough_settings(title: str = KJV) -> dict:
+    """Prompt, temperature and seed of a README walkthrough's step 1."""
+    section = readme_section(title)
     step = re.search(r"type `([^`]+)` as the prompt, Temperature ([\d.]+), Seed (\d+)", section)
     assert step, "README walkthrough step 1 must name the prompt, Temperature and Seed"
     return {"prompt": step.group(1), "temperature": float(step.group(2)), "seed": int(step.group(3))}
@@ -53,9 +73,23 @@ def tokens(page, elem_id: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(tmp_path_factory):
+    """The shipped model and a copy of its database with a small training-data cache over the model's own training
+    corpus (the first start's recipe, app/training_data.Recipe, with 256 sequences in place of 3,072)."""
+    import shutil
+
+    from app.training_data import Recipe
+
     ARTIFACTS.mkdir(exist_ok=True)
-    with running_app(DEFAULT_MODEL, resolve_db(None, model_given=False), timeout=600) as url:
+    db = tmp_path_factory.mktemp("walkthrough") / "default-with-cache.duckdb"
+    shutil.copyfile(resolve_db(None, model_given=False), db)
+    recipe = Recipe(corpus="default-v3", max_sequences=256)
+    precompute_main(["build", "--model", str(DEFAULT_MODEL), "--db", str(db), *recipe.argv()])
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert has_attribution(con)
+    with running_app(DEFAULT_MODEL, db, timeout=600) as url:
         yield url
 
 
@@ -123,6 +157,69 @@ def test_readme_walkthrough_removes_the_register_and_names_the_replacements(brow
     assert removed != intervened and "".join(tokens(page, "original")) == original
     assert not re.search(r"slots went to #\d+", page.inner_text("#gen-status"))  # nothing is re-routed now
     page.screenshot(path=str(ARTIFACTS / "walkthrough-3-slices-removed.png"), full_page=True)
+    page.close()
+
+
+def test_readme_modern_walkthrough_switches_one_prototype_off(browser, app):
+    import gradio_client
+
+    settings = walkthrough_settings(MODERN)
+    section = readme_section(MODERN)
+    word, index = re.search(r"Click \*([^*]+)\* \(token (\d+)\)", section).groups()
+    index = int(index)
+    prototype = int(re.search(r"The largest slice, [+\d.]+, is #(\d+)", section).group(1))
+    assert f"Type {prototype} into" in section
+    replaced = re.search(r"Click \*([^*]+)\* and \"Why it changed\" names #" + str(prototype), section).group(1)
+
+    # the README's claim about the slices, from the same app over its API (its own session)
+    client = gradio_client.Client(app, verbose=False)
+    client.predict(settings["prompt"], 24, settings["temperature"], 1, settings["seed"], api_name="/generate")
+    data = client.predict("original", index, api_name="/decompose")[-1]
+    assert data["chosen"]["token"].strip() == word
+    largest = max(data["chosen"]["slices"], key=lambda s: s["contribution"])
+    assert largest["prototype_id"] == prototype, largest
+
+    # step 1-2: generate, click the word; the slices add up to its logit
+    page = open_with_prompt(browser, app, settings["prompt"])
+    set_number(page, "temperature", settings["temperature"])
+    set_number(page, "seed", settings["seed"])
+    page.click("#generate")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('Generated 24 original')")
+    chips = tokens(page, "original")
+    assert chips[index].strip() == word, chips
+    page.locator("#original .textfield .token").nth(index).click()
+    page.wait_for_function(f"document.querySelector('#token-summary').innerText.includes('{word}')")
+    summary = page.inner_text("#token-summary")
+    total, logit = (float(x) for x in re.search(r"= ([-\d.]+); the model's logit is ([-\d.]+)", summary).groups())
+    assert abs(total - logit) <= 1e-3 * max(1, abs(logit)), summary
+
+    # step 3: the training data answers on the same click
+    page.wait_for_function(f"document.querySelector('#attribution').innerText.includes('Training data behind token "
+                           f"{index}')")
+    cards = page.locator("#attribution .prism-attribution")
+    assert cards.count() >= 1 and "via the trained layers" in cards.first.inner_text()
+    assert page.locator("#attribution span[style*='outline']").count() >= 1
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-modern-1-token.png"), full_page=True)
+
+    # step 4: open the prototype's card, suppress it
+    page.fill("#proto-id input", str(prototype))
+    page.click("#open-card")
+    page.wait_for_function(f"document.querySelector('#card').innerText.includes('#{prototype}')")
+    page.click("#suppress")
+    page.wait_for_function("document.querySelector('#iv-status').innerText.includes('added')")
+    assert str(prototype) in page.inner_text("#interventions")
+
+    # step 5: generate again: the word changes, and "why it changed" names the prototype
+    original = "".join(tokens(page, "original"))
+    page.click("#generate")
+    page.wait_for_function("document.querySelector('#gen-status').innerText.includes('24 intervened token(s).')")
+    after = tokens(page, "intervened")
+    assert "".join(tokens(page, "original")) == original
+    assert after[index].strip() == replaced and after[:index] == chips[:index], after
+    page.locator("#intervened .textfield .token").nth(index).click()
+    page.wait_for_function("document.querySelector('#token-summary').innerText.includes('Why it changed')")
+    assert f"#{prototype}" in page.inner_text("#token-summary")
+    page.screenshot(path=str(ARTIFACTS / "walkthrough-modern-2-why-it-changed.png"), full_page=True)
     page.close()
 
 
