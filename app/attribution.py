@@ -42,6 +42,16 @@ logger = logging.getLogger(__name__)
 
 RUNS = ("original", "intervened", "prompt")
 EMPTY = "Click a generated token to see the training sequences behind it."
+BUILDING = "prism-attribution-building"  # the class of the panel's line while the first-start cache is not ready
+
+
+class CacheNotReady(AppError):
+    """The cache is the first-start build's, which is still running (or stopped): the message is its status."""
+
+
+def build_status_html(text: str) -> str:
+    """The panel's one line about the first-start build: the click's answer, kept fresh by the page's timer."""
+    return f'<p class="prism-attribution-status {BUILDING}">{html.escape(text)}</p>'
 # Three readings: "gradient" (the default) keeps, of each training sequence, the positions that predicted this very
 # token and reads the trained layers' gradients there (the gradient store, StoredGradients.query); "token" asks the
 # same through the token's active prototypes (CachedIndex.token_scores, block-diagonal); "sequence" is the
@@ -83,7 +93,7 @@ def cache_database(studio: Studio) -> CacheDatabase:
         raise AppError(f"{cache.BUILD_HINT}.")
     ready = build.database()
     if ready is None:
-        raise AppError(build.status())
+        raise CacheNotReady(build.status())
     return ready
 
 
@@ -196,6 +206,8 @@ def attribution_panel(studio: Studio, run: str, index, session, reading=DEFAULT_
             raise AppError("there is no intervened text" if run == "intervened" else "generate first")
         data = attribute_token(studio, gen, limits.whole("the token index", index, -2**31, 2**31, default=0),
                                in_prompt=run == "prompt", reading=reading)
+    except CacheNotReady as err:  # one line, which the page's timer keeps fresh (app/ui.py)
+        return build_status_html(problem(err)), None
     except AppError as err:
         return f'<p class="prism-attribution-status">{html.escape(problem(err))}</p>', None
     which = "prompt token" if run == "prompt" else "token"

@@ -17,7 +17,7 @@ from app import controllers as app_controllers
 from app import handlers as h
 from app import interventions as iv
 from app import plots, tools, training_data
-from app.attribution import DEFAULT_READING, READING_CHOICES
+from app.attribution import BUILDING, DEFAULT_READING, READING_CHOICES, build_status_html
 from app.attribution import EMPTY as EMPTY_ATTRIBUTION
 from app.cards import NO_CARD_PLOT
 from app.cards import NO_PROTOTYPE as NO_CARD
@@ -171,19 +171,31 @@ def build_demo(studio: Studio, concurrency: int = 2) -> gr.Blocks:
     return demo
 
 
-def _training_data_status(studio: Studio) -> None:
-    """While the first-start build of the training-data cache runs (app/training_data.py): its progress line,
-    refreshed every 5 s until the cache is ready."""
+def _first_attribution_note(studio: Studio):
+    """The panel's first content: the first-start build's line while it runs (a callable: each page load reads it
+    afresh), else the hint to click a token."""
+    build = training_data.builder_for(studio)
+    if build is None or build.database() is not None:
+        return EMPTY_ATTRIBUTION
+    return lambda: build_status_html(build.status()) if build.database() is None else EMPTY_ATTRIBUTION
+
+
+def _training_data_status(studio: Studio, panel: gr.HTML) -> None:
+    """While the first-start build of the training-data cache runs (app/training_data.py): its progress line in the
+    panel, one line (the click's answer says the same), refreshed every 5 s until the cache is ready, and only while
+    the panel shows no sequences."""
     build = training_data.builder_for(studio)
     if build is None:
         return
-    status = gr.Markdown(build.status, elem_id="training-data-status")
     timer = gr.Timer(5, active=build.database() is None)
 
-    def tick():
-        return build.status(), gr.Timer(active=build.database() is None)
+    def tick(shown: str | None):
+        running = gr.Timer(active=build.database() is None)
+        if shown in (None, "", EMPTY_ATTRIBUTION) or BUILDING in shown:
+            return build_status_html(build.status()), running
+        return gr.skip(), running
 
-    timer.tick(tick, None, [status, timer], api_name=False, show_progress="hidden", queue=False)
+    timer.tick(tick, [panel], [panel, timer], api_name=False, show_progress="hidden", queue=False)
 
 
 def _database_note(studio: Studio) -> str:
@@ -272,8 +284,8 @@ def _generate_panel(c: Components, studio: Studio) -> None:
             c["attribute_btn"] = gr.Button("Find the training data", elem_id="attribute", scale=1)
             c["reading"] = gr.Radio(READING_CHOICES, value=DEFAULT_READING, label="Count a training sequence by",
                                     elem_id="attribution-reading", scale=2)
-        c["attribution_html"] = gr.HTML(EMPTY_ATTRIBUTION, elem_id="attribution")
-        _training_data_status(studio)
+        c["attribution_html"] = gr.HTML(_first_attribution_note(studio), elem_id="attribution")
+        _training_data_status(studio, c["attribution_html"])
         c["attribution_json"] = gr.JSON(visible=False)
     with gr.Accordion("Data (as the API returns it)", open=False):
         c["result_json"] = gr.JSON(label="generate")

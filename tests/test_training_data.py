@@ -146,6 +146,57 @@ launch(build_demo(studio), host="127.0.0.1", port=int(port))
 """
 
 
+SERVE_STOPPED = """
+import sys, time
+from app import training_data
+from app.core import Studio
+from app.ui import build_demo, launch
+model, db, corpus, path, port = sys.argv[1:]
+studio = Studio.load(model, db)
+recipe = training_data.Recipe(corpus=corpus, max_sequences=100_000, seq_len=24, holdout=0.0, rank=16, batch_size=4)
+build = training_data.FirstStartBuild(model, recipe, path, extra=("--docs-per-chunk", "4", "--hook", "kill_at=fit:2"))
+training_data.attach(studio, build)
+build.start()
+while build._proc is not None:
+    time.sleep(0.2)
+launch(build_demo(studio), host="127.0.0.1", port=int(port))
+"""
+
+
+@pytest.mark.slow
+def test_the_panel_shows_the_builds_line_once(assets, tmp_path, browser):
+    """While the first-start cache is not ready the attribution panel holds its one line, before any click (each
+    page load reads it) and as a click's answer, never a second copy beside it (the page's timer refreshes that
+    same line). A build killed mid-pass keeps the line fixed: it says it stopped and where its log is."""
+    port = free_port()
+    log = (tmp_path / "app.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_STOPPED, str(assets["model"]), str(assets["db"]),
+                             str(assets["corpus"]), str(tmp_path / "cache" / "stopped.duckdb"), str(port)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_served(proc, url, 120, lambda: (tmp_path / "app.log").read_text()[-3000:])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#attribution")
+        page.wait_for_function("document.querySelector('#attribution').innerText.includes('exit code -9')")
+        assert page.inner_text("body").count("exit code -9") == 1
+        page.fill("#prompt textarea", PROMPT)
+        page.click("#generate")
+        page.wait_for_function("document.querySelector('#gen-status').innerText.includes('Generated')")
+        page.locator("#original .textfield .token").nth(1).click()
+        page.wait_for_function("document.querySelector('#token-summary').innerText.includes('Token 1')")
+        page.wait_for_timeout(6000)  # one tick of the page's timer (5 s) after the click's answer
+        assert page.locator("#attribution .prism-attribution-building").count() == 1
+        assert page.inner_text("body").count("exit code -9") == 1
+        page.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        log.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
