@@ -52,6 +52,8 @@ class CacheNotReady(AppError):
 def build_status_html(text: str) -> str:
     """The panel's one line about the first-start build: the click's answer, kept fresh by the page's timer."""
     return f'<p class="prism-attribution-status {BUILDING}">{html.escape(text)}</p>'
+
+
 # Three readings: "gradient" (the default) keeps, of each training sequence, the positions that predicted this very
 # token and reads the trained layers' gradients there (the gradient store, StoredGradients.query); "token" asks the
 # same through the token's active prototypes (CachedIndex.token_scores, block-diagonal); "sequence" is the

@@ -16,12 +16,15 @@ cache, loads SmolLM2 once)."""
 from __future__ import annotations
 
 import re
+import shutil
 
+import duckdb
 import pytest
 from test_app_support import CHANGED_RGB, ROOT, running_app
 
 from app import handlers
 from app.assets import DEFAULT_MODEL, resolve_db
+from app.training_data import Recipe
 from precompute.__main__ import main as precompute_main
 from precompute.attribution import has_attribution
 from precompute.presets import PRESETS
@@ -76,17 +79,11 @@ def tokens(page, elem_id: str) -> list[str]:
 def app(tmp_path_factory):
     """The shipped model and a copy of its database with a small training-data cache over the model's own training
     corpus (the first start's recipe, app/training_data.Recipe, with 256 sequences in place of 3,072)."""
-    import shutil
-
-    from app.training_data import Recipe
-
     ARTIFACTS.mkdir(exist_ok=True)
     db = tmp_path_factory.mktemp("walkthrough") / "default-with-cache.duckdb"
     shutil.copyfile(resolve_db(None, model_given=False), db)
     recipe = Recipe(corpus="default-v3", max_sequences=256)
     precompute_main(["build", "--model", str(DEFAULT_MODEL), "--db", str(db), *recipe.argv()])
-    import duckdb
-
     with duckdb.connect(str(db), read_only=True) as con:
         assert has_attribution(con)
     with running_app(DEFAULT_MODEL, db, timeout=600) as url:
