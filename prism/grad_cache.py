@@ -83,6 +83,14 @@ def tracked_linears(model, start_layer: int) -> list[tuple[str, nn.Linear]]:
     return out
 
 
+@torch.no_grad()
+def token_loss_gradient(head: nn.Linear, z: torch.Tensor, token: int) -> torch.Tensor:
+    """(d,) float32: the gradient of -log softmax(head(z))[token] with respect to z (d,), W^T (softmax - onehot)."""
+    p = torch.softmax(head(z).float(), -1)  # (V,)
+    p[token] -= 1.0
+    return (p.to(head.weight.dtype) @ head.weight).float()
+
+
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy; labels follow the transformers convention (shifted here), IGNORE_INDEX
     where no target counts."""
@@ -117,8 +125,9 @@ class GradientCache:
 
     def _run(self, input_ids, start_states, attention_mask, labels, project: bool = True, output_grad=None):
         """Forward and backward of the summed loss (or, with output_grad (B, T, d), of <z, output_grad>: the
-        loss's gradient at the final states given, no vocabulary product); per module the inputs and output
-        gradients, projected (B, T, r) each, or as they are (project=False)."""
+        loss's gradient at the final states given, no vocabulary product; or a function of z (B, T, d), without
+        gradient, that returns it); per module the inputs and output gradients, projected (B, T, r) each, or as
+        they are (project=False)."""
         xs: list[torch.Tensor | None] = [None] * len(self.modules)
         ds: list[torch.Tensor | None] = [None] * len(self.modules)
         handles = []
@@ -149,6 +158,8 @@ class GradientCache:
                 if output_grad is None:
                     shifted_loss(self.model.lm_head(z), labels).backward(inputs=[states])
                 else:
+                    if callable(output_grad):  # the gradient depends on z itself (query_gradient)
+                        output_grad = output_grad(z.detach())
                     z.backward(output_grad.to(z.dtype), inputs=[states])
         finally:
             for h in handles:
@@ -242,11 +253,20 @@ class GradientCache:
         start_layer."""
         if not 0 <= position < input_ids.shape[1]:
             raise ValueError(f"position {position} outside the query's {input_ids.shape[1]} tokens")
-        ids = torch.cat([input_ids[:, : position + 1], torch.tensor([[int(token)]])], 1)
-        states = torch.cat([start_states[:, : position + 1], torch.zeros_like(start_states[:, :1])], 1)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[0, -1] = int(token)  # position `position` predicts the last token
-        return self.gradients(ids, states, None, labels)[0]
+        if start_states.shape[1] <= position:
+            raise ValueError(f"start_states cover {start_states.shape[1]} positions, the query needs {position + 1}")
+        head = self.model.lm_head
+
+        def loss_gradient(z: torch.Tensor) -> torch.Tensor:
+            # only the last position carries the loss: its W^T (softmax(W z + b) - onehot), two passes over the
+            # vocabulary matrix for one row, instead of autograd's logits and their gradient at every position
+            out = torch.zeros(z.shape, dtype=torch.float32)
+            out[0, -1] = token_loss_gradient(head, z[0, -1], int(token))
+            return out
+
+        xs, ds = self._run(input_ids[:, : position + 1], start_states[:, : position + 1], None, None,
+                           output_grad=loss_gradient)
+        return self._combine(xs, ds, None, None, input_ids[:, : position + 1])[0]
 
     # -- preconditioner -------------------------------------------------------------------------------------------
 
@@ -470,18 +490,31 @@ class StoredGradients:
         return self.index.n_sequences
 
     @torch.no_grad()
-    def query(self, input_ids: torch.Tensor, position: int, token: int
+    def start_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(1, T, d): the states entering the trained layers for input_ids (1, T), for query(states=...)."""
+        with self._lock:
+            return self.cache.model.states_before_layer(input_ids, self.cache.start_layer)
+
+    @torch.no_grad()
+    def query(self, input_ids: torch.Tensor, position: int, token: int, states: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the loss of `token` predicted at `position` of input_ids (1, T): the scores (n_sequences,) and,
         of every training position that predicted the token, its sequence, its position and its part of its
-        sequence's score (the panel highlights them)."""
+        sequence's score (the panel highlights them). states (1, >= position + 1, d): the states entering the
+        trained layers at those tokens, kept from an earlier pass (the frozen layers' forward, most of a query's
+        cost, is then skipped; start_states() computes them); computed here when None."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be (1, T), got {tuple(input_ids.shape)}")
         if not 0 <= position < input_ids.shape[1]:
             raise ValueError(f"position {position} outside the query's {input_ids.shape[1]} tokens")
         ids = input_ids[:, : position + 1]
+        if states is not None and (states.dim() != 3 or states.shape[0] != 1 or states.shape[1] <= position
+                                   or states.shape[2] != self.cache.model.d_model):
+            raise ValueError(f"states must be (1, >= {position + 1}, {self.cache.model.d_model}), got "
+                             f"{tuple(states.shape)}")
         with self._lock:
-            states = self.cache.model.states_before_layer(ids, self.cache.start_layer)
+            if states is None:
+                states = self.cache.model.states_before_layer(ids, self.cache.start_layer)
             g = self.cache.query_gradient(ids, states, position, token)
         rows, value = self.index.position_scores(self.cache.apply(g[None])[0], token)
         sequence, where = self.index.sequence[rows].long(), self.index.position[rows].long()

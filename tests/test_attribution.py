@@ -435,6 +435,26 @@ def test_planted_training_sequence_ranks_first_in_the_gradient_store(loaded, bui
         assert int(top_sequences(scores.numpy(), 1)[0]) == sid
 
 
+def test_a_gradient_query_from_kept_states_equals_one_that_runs_the_frozen_layers(loaded, built):
+    """The app keeps a text's states entering the trained layers (one forward of the frozen layers per text): a
+    query at any position of it, from those states, answers what a query that runs the frozen layers on the prefix
+    answers; states of the wrong shape are refused."""
+    store = _stored_gradients(loaded, built)
+    text = torch.from_numpy(loaded["sequences"][4][None].astype(np.int64))
+    kept = store.start_states(text)
+    assert kept.shape == (1, text.shape[1], loaded["model"].d_model)
+    for position in (3, 9, text.shape[1] - 2):
+        token = int(text[0, position + 1])
+        fresh = store.query(text[:, : position + 1], position, token)
+        reused = store.query(text[:, : position + 1], position, token, states=kept)
+        torch.testing.assert_close(reused[0], fresh[0], rtol=1e-4, atol=1e-6 * float(fresh[0].abs().max()))
+        assert torch.equal(reused[1], fresh[1]) and torch.equal(reused[2], fresh[2])
+    with pytest.raises(ValueError, match="states must be"):
+        store.query(text, 9, int(text[0, 10]), states=kept[:, :5])
+    with pytest.raises(ValueError, match="states must be"):
+        store.query(text, 9, int(text[0, 10]), states=kept[0])
+
+
 def test_a_gradient_query_leaves_other_threads_using_the_model_alone(loaded, built):
     """The app's users share one model: a gradient query's hooks (the states entering the trained layers, the
     layers' inputs and output gradients) must neither stop nor read another thread's forward pass, and two queries
