@@ -16,11 +16,12 @@ those prototypes and the ones co-used with them. A cache built without a gradien
 A prototype-space query costs one pass of the prototype head on the token's final state (kept with the
 generation), a sparse product over the prototypes it reads, and (reading the whole sequence) an exact second stage
 over its cache.RERANK best sequences from the build's exact store; a gradient query costs a forward pass of the
-text up to the token, a backward pass through the trained layers and a product over the training positions that
-predicted the token. The cached vectors are memory-mapped once per database (load_index and index_folder_for in
-precompute/attribution/cache.py; a child process writes them) and shared (read-only) by every user, as are the
-exact store (load_exact_store) and the gradient store (load_gradient_store). Attribution uses the model's own
-activations: for the intervened text it is computed on that text without the interventions.
+trained layers and their backward pass from the token's loss, and a product over the training positions that
+predicted the token; the states entering the trained layers are the ones generation kept (start_states; else one
+pass of the frozen layers per text). The cached vectors are memory-mapped once per database (load_index and
+index_folder_for in precompute/attribution/cache.py; a child process writes them) and shared (read-only) by every
+user, as are the exact store (load_exact_store) and the gradient store (load_gradient_store). Attribution uses the
+model's own activations: for the intervened text it is computed on that text without the interventions.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import html
 import logging
 import threading
 import weakref
+
+import torch
 
 from app import limits, training_data
 from app.core import AppError, Database, Generation, Studio
@@ -81,6 +84,10 @@ CacheDatabase = Database | training_data.ReadOnly  # the served database, or the
 _indexes: weakref.WeakKeyDictionary[CacheDatabase, CachedIndex] = weakref.WeakKeyDictionary()
 _gradients: weakref.WeakKeyDictionary[CacheDatabase, StoredGradients | None] = weakref.WeakKeyDictionary()
 _catalogs: weakref.WeakKeyDictionary[CacheDatabase, cache.SequenceCatalog] = weakref.WeakKeyDictionary()
+# the states entering the trained layers of a whole text (1, T, d) where its generation did not keep them (a text
+# longer than limits.keep_states_tokens keeps none), computed on a click and kept beside the generation while it
+# lives and is at most that long
+_start_states: weakref.WeakKeyDictionary[Generation, torch.Tensor] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -97,6 +104,27 @@ def cache_database(studio: Studio) -> CacheDatabase:
     if ready is None:
         raise CacheNotReady(build.status())
     return ready
+
+
+def start_states(studio: Studio, stored: StoredGradients, gen: Generation, position: int) -> torch.Tensor:
+    """(1, >= position + 1, d): the states entering the trained layers for gen's text: as its generation kept them
+    (Generation.layer_states: a click runs no frozen layer), else computed once per text (_start_states) when it is
+    short enough, else for the tokens up to `position` only, on every click."""
+    if studio.start_layer == stored.cache.start_layer:
+        generated = gen.layer_states()
+        if generated is not None and generated.shape[1] > position:
+            return generated
+    ids = gen.input_ids()
+    with _lock:
+        kept = _start_states.get(gen)
+    if kept is not None and kept.shape[1] == ids.shape[1]:
+        return kept
+    if ids.shape[1] > studio.limits.keep_states_tokens:
+        return stored.start_states(ids[:, : position + 1])
+    states = stored.start_states(ids)
+    with _lock:
+        _start_states[gen] = states
+    return states
 
 
 def index_for(studio: Studio, db: CacheDatabase) -> CachedIndex:
@@ -168,7 +196,8 @@ def attribute_token(studio: Studio, gen: Generation, index: int, top: int = 10, 
             "note": note}
     if stored is not None:
         input_ids = gen.input_ids()[:, : position + 1]
-        scores, seq, pos, value = stored.query(input_ids, position, token)
+        scores, seq, pos, value = stored.query(input_ids, position, token,
+                                               states=start_states(studio, stored, gen, position))
         scores = scores.numpy()
         best = [s for s in (int(s) for s in top_sequences(scores, top)) if scores[s] > 0]
         sequences = db.run(cache.gradient_rows, studio.tokenizer, best, scores, seq.numpy(), pos.numpy(),

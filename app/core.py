@@ -43,6 +43,7 @@ from app.limits import CostBudget, Limits
 from prism import Interventions, PrismForCausalLM, explain
 from prism.backbones import load_tokenizer
 from prism.explain import Carried, Change, explain_token
+from prism.grad_cache import trained_start_layer
 from prism.interventions import changed_selection, restrict  # noqa: F401 (restrict re-exported for the app)
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class Studio:
         # final states of texts past limits.keep_states_tokens steps, kept beside their generation while it lives
         self._states: weakref.WeakKeyDictionary[Generation, torch.Tensor] = weakref.WeakKeyDictionary()
         self._states_lock = threading.Lock()
+        # the first trained decoder layer: generation keeps the states entering it, a gradient query's input
+        self.start_layer = trained_start_layer(model)
         if db is not None and len(db.labels) != self.n_prototypes:
             self.db_error = (f"{db.path} describes {len(db.labels)} prototypes but the model has "
                              f"{self.n_prototypes}: it was built for another model, so it is not used")
@@ -259,7 +262,8 @@ class Studio:
         input_ids = torch.tensor([ids])  # (1, T)
         for step in self.model.stream(input_ids, max_new, interventions=interventions,
                                       do_sample=settings.do_sample, temperature=settings.temperature or 1.0,
-                                      top_p=settings.top_p, seed=settings.seed):
+                                      top_p=settings.top_p, seed=settings.seed,
+                                      keep_states_before=self.start_layer):
             token = int(step.token_ids[0])
             if token in self.stop_ids:  # end of text: stop there, and never show a special token as text
                 yield replace(gen, finished=True,
@@ -277,7 +281,9 @@ class Studio:
             kept = step.state is not None and len(gen.steps) < self.limits.keep_states_tokens
             new = Step(token_id=token, text=self.tokenizer.decode([token]), prototype_ids=pids[order].tolist(),
                        activations=acts[order].tolist(), logit=float(step.logits[0, token]), rerouted_ids=rerouted,
-                       state=step.state[0].clone() if kept else None)
+                       state=step.state[0].clone() if kept else None,
+                       layer_states=step.layer_states[0].clone() if kept and step.layer_states is not None
+                       else None)
             gen = replace(gen, steps=(*gen.steps, new), finished=len(gen.steps) + 1 == max_new)
             yield gen
 

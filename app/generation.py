@@ -43,6 +43,9 @@ class Step:
     # (d,) z at the position that chose the token, from the generation's own forward (kept for the first
     # limits.keep_states_tokens tokens): a click decomposes it without running the model again
     state: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # (t, d) the states entering the trained layers at the positions this step's forward read (the first step: the
+    # prompt; later ones: the token before), kept as `state` is: a gradient click skips the frozen layers
+    layer_states: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: two runs with equal tokens are still two generations
@@ -66,6 +69,14 @@ class Generation:
     def input_ids(self, upto: int | None = None) -> torch.Tensor:
         """prompt + generated tokens [:upto], (1, T)."""
         return torch.tensor([list(self.prompt_ids) + self.token_ids[:upto]])
+
+    def layer_states(self) -> torch.Tensor | None:
+        """(1, T - 1, d): the states entering the trained layers at every position of prompt + tokens[:-1], as the
+        generation computed them (Step.layer_states); None where a step did not keep them."""
+        parts = [s.layer_states for s in self.steps]
+        if not parts or any(p is None for p in parts):
+            return None
+        return torch.cat(parts)[None]
 
 
 def side_by_side(original: Generation, intervened: Generation) -> Diff:

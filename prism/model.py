@@ -32,6 +32,7 @@ change together. The intervention values it applies are in prism/interventions.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -256,6 +257,9 @@ class GenerationStep:
     used_prototype_ids: torch.Tensor | None = None  # (B, k'), what the logits used; None without interventions
     used_activations: torch.Tensor | None = None  # (B, k')
     state: torch.Tensor | None = None  # (B, d) z at the position that chose the token (decompose it without a pass)
+    # (B, t, d) with stream(keep_states_before=L): the states entering decoder layer L at the positions this step's
+    # forward read (step 0: the prompt; later steps: the token before), e.g. a gradient store's query input
+    layer_states: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,6 +493,27 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         finally:
             handle.remove()
         return captured["states"].detach()
+
+    @contextlib.contextmanager
+    def _states_entering(self, layer: int | None) -> Iterator[dict]:
+        """While the block runs, the states entering decoder layer `layer` in this thread's forward passes go into
+        the dict it yields ("states", detached; the last pass's); nothing is hooked with layer None. Registered
+        around one pass at a time, so a generator resumed on another thread still sees its own."""
+        captured: dict[str, torch.Tensor] = {}
+        if layer is None:
+            yield captured
+            return
+        owner = threading.get_ident()
+
+        def grab(module, args, kwargs):
+            if threading.get_ident() == owner:
+                captured["states"] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+        handle = self.decoder_layers()[layer].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            yield captured
+        finally:
+            handle.remove()
 
     def _top_view(self, start_layer: int | None) -> nn.Module:
         """A shallow copy of the base model whose layer list holds only layers start_layer.. (shared modules)."""
@@ -737,6 +762,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         seed: int | None = None,
         eos_token_id: int | None = None,
         top_k: int = 0,
+        keep_states_before: int | None = None,
     ) -> Iterator[GenerationStep]:
         """Generate token by token with the backbone's KV cache, yielding each step (the app's explain-while-
         generating loop; generate() is transformers' and runs the same forward).
@@ -745,9 +771,12 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         (seed), never the global RNG, so the same seed gives the same sample with or without interventions
         wherever the distributions agree. It filters and draws as transformers does, so
         generate(..., do_sample=True, seed=s) picks the same tokens. Sequences that produced eos_token_id keep
-        producing it.
+        producing it. keep_states_before=L: each step also returns the states entering decoder layer L at the
+        positions its forward read (GenerationStep.layer_states; states_before_layer's, from the KV-cached passes).
         """
         self._check_input_ids(input_ids)
+        if keep_states_before is not None and not 0 <= keep_states_before < self.n_layers:
+            raise ValueError(f"keep_states_before must be in [0, {self.n_layers}), got {keep_states_before}")
         if interventions is not None:
             interventions.check(self.config.n_prototypes)
         if max_new_tokens < 0:
@@ -764,8 +793,9 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
         step_ids, cache = input_ids, None
         for step in range(max_new_tokens):
-            out = self(step_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                       use_cache=True, interventions=interventions, logits_to_keep=1)
+            with self._states_entering(keep_states_before) as kept:
+                out = self(step_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                           use_cache=True, interventions=interventions, logits_to_keep=1)
             cache = out.cache
             logits = out.logits[:, -1].float()  # (B, V)
             if do_sample:
@@ -779,7 +809,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                 (out.used_prototype_ids[:, -1], out.used_activations[:, -1])
             yield GenerationStep(step=step, token_ids=next_ids, prototype_ids=out.prototype_ids[:, -1],
                                  activations=out.activations[:, -1], logits=logits, used_prototype_ids=used[0],
-                                 used_activations=used[1], state=out.z[:, -1])
+                                 used_activations=used[1], state=out.z[:, -1], layer_states=kept.get("states"))
             if eos_token_id is not None and bool(finished.all()):
                 return
             step_ids = next_ids[:, None]

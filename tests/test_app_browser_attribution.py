@@ -7,13 +7,14 @@ Needs `apt-get install -y chromium`; without it the browser test FAILS.
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from test_app_support import ROOT, build_tiny_attribution_db, running_app, shared_assets
 
-from app.attribution import attribute_token, attribution_panel, index_for
+from app.attribution import _start_states, attribute_token, attribution_panel, index_for
 from app.core import AppError, GenerationSettings, Studio
 from app.session import Session
 from precompute import attribution as cache
@@ -93,6 +94,20 @@ def test_studio_attributes_a_generated_token_from_the_cache(studio):
         assert r["prototypes"] == [] and r["error"] is None
         marked = [i for i, seg in enumerate(r["segments"]) if seg["target"]]
         assert len(marked) == 1 and r["segments"][marked[0] + 1]["text"] == studio.tokenizer.decode([token])
+    # the click ran no frozen layer: generation kept the states entering the trained layers, those of a full pass
+    assert studio.start_layer == stored.cache.start_layer and gen not in _start_states
+    torch.testing.assert_close(gen.layer_states(), studio.model.states_before_layer(
+        gen.input_ids(len(gen.steps) - 1), stored.cache.start_layer), rtol=1e-5, atol=1e-5)
+    # a generation that kept none (a text past limits.keep_states_tokens): computed on the click, once per text
+    bare = replace(gen, steps=tuple(replace(s, layer_states=None) for s in gen.steps))
+    assert bare.layer_states() is None
+    for which, at in ((4, position + 2), (2, position)):
+        again = attribute_token(studio, bare, which, top=5)
+        scores, *_ = stored.query(gen.input_ids(which), at, gen.steps[which].token_id)
+        np.testing.assert_allclose([r["score"] for r in again["sequences"]],
+                                   np.sort(scores[scores > 0].numpy())[::-1][:5], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(_start_states[bare], studio.model.states_before_layer(bare.input_ids(),
+                                                                                     stored.cache.start_layer))
     html, _ = attribution_panel(studio, "original", 2, Session(original=gen))
     assert "trained layers' gradients" in html and "every one of them" in html and "via the trained layers" in html
     html, payload = attribution_panel(studio, "original", 2, Session(original=gen), "everything")

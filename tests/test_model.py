@@ -206,6 +206,25 @@ def test_stream_yields_prototypes_of_each_generated_token():
         np.testing.assert_array_equal(s.prototype_ids[0].numpy(), out.prototype_ids[0, pos].numpy())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_stream_keeps_the_states_entering_a_layer_as_a_full_pass_computes_them(kind):
+    """stream(keep_states_before=L): the steps' layer_states, one after the other, are states_before_layer's for
+    the prompt and every generated token but the last, with or without interventions (they act above every
+    decoder layer); without the argument nothing is kept, and a layer outside the model is refused."""
+    model = tiny_prism(kind)
+    ids = random_ids(batch=1, length=5)
+    for interventions in (None, Interventions(suppress=[0, 1, 2])):
+        steps = list(model.stream(ids, max_new_tokens=4, interventions=interventions, keep_states_before=1))
+        assert steps[0].layer_states.shape == (1, 5, model.d_model)
+        assert all(s.layer_states.shape == (1, 1, model.d_model) for s in steps[1:])
+        text = torch.cat([ids, torch.stack([s.token_ids for s in steps[:-1]], 1)], 1)  # prompt + tokens[:-1]
+        torch.testing.assert_close(torch.cat([s.layer_states for s in steps], 1), model.states_before_layer(text, 1),
+                                   rtol=1e-5, atol=1e-5)
+    assert all(s.layer_states is None for s in model.stream(ids, max_new_tokens=2))
+    with pytest.raises(ValueError, match="keep_states_before"):
+        next(model.stream(ids, max_new_tokens=2, keep_states_before=model.n_layers))
+
+
 def test_eos_stops_generation():
     model = tiny_prism("llama")
     ids = random_ids(batch=1, length=5)
